@@ -1,0 +1,30 @@
+"""gpudl: train CNNs and Transformers as fast as your hardware allows, on any accelerator or the CPU.
+
+>>> import gpudl
+>>> cfg = gpudl.load_config(None, ["train.max_steps=10"])
+>>> cfg.model.name
+'gpt-tiny'
+"""
+
+from .config import Config, load_config
+from .device import DeviceInfo, detect
+from .errors import UserError
+
+__version__ = "0.1.0"
+
+
+def train(cfg: Config, resume=None, console=None):
+    """Train the model a config describes (see `gpudl.run.train`)."""
+    from .run import train as _train
+
+    return _train(cfg, resume=resume, console=console)
+
+
+def fit(model, train_data, loss=None, **options):
+    """Train any nn.Module on the best device (see `gpudl.api.fit` for the options)."""
+    from .api import fit as _fit
+
+    return _fit(model, train_data, loss, **options)
+
+
+__all__ = ["fit", "Config", "DeviceInfo", "UserError", "detect", "load_config", "train", "__version__"]

@@ -1,0 +1,121 @@
+"""What each `gpudl` subcommand does, given its parsed arguments."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from . import models
+from .config import load_config, recipe_names
+from .device import available, cpu_info, detect
+from .errors import UserError
+
+
+def _print_json(data) -> None:
+    print(json.dumps(data, indent=1, default=str))
+
+
+def cmd_info(args, console: Console) -> int:
+    from .info import as_json, render
+
+    if args.models:
+        table = Table("preset", "description", "parameters")
+        for name in models.PRESETS:
+            spec = models.resolve(name)
+            n = sum(p.numel() for p in models.build_meta(spec).parameters())
+            table.add_row(name, models.describe(spec), f"{n / 1e6:,.1f}M")
+        console.print(table)
+        return 0
+    if args.recipes:
+        console.print("\n".join(recipe_names()))
+        return 0
+    infos = [detect(args.device or "auto")]
+    if infos[0].type != "cpu":
+        infos.append(cpu_info())
+    if args.json:
+        _print_json({"present": available(), **as_json(infos, measure=not args.no_probe)})
+        return 0
+    console.print(f"Using device: {infos[0].label}")
+    console.print(render(infos, measure=not args.no_probe))
+    return 0
+
+
+def train_config(args):
+    sets = list(args.sets)
+    if args.device:
+        sets.append(f"run.device={args.device}")
+    if args.precision:
+        sets.append(f"train.precision={args.precision}")
+    if args.resume:
+        if args.config:
+            raise UserError("--resume continues a run with its own config.toml: drop --config "
+                            "(use --set to change a setting)")
+        path = Path(args.resume)
+        if not (path / "config.toml").is_file():
+            raise UserError(f"--resume {args.resume!r}: not a run folder (no config.toml in it)")
+        return load_config(path / "config.toml", sets)
+    return load_config(args.config, sets)
+
+
+def cmd_train(args, console: Console) -> int:
+    from .run import train
+
+    cfg = train_config(args)
+    result = train(cfg, resume=args.resume, console=console)
+    console.print(f"Run folder: {result.run_dir}")
+    return 0
+
+
+def cmd_generate(args, console: Console) -> int:
+    from .generate import sample_text
+    from .trained import find_run, load_trained
+
+    t = load_trained(find_run(args.run_dir), args.device or "auto")
+    if not t.spec.is_language_model or t.spec.config.vocab_size < 256:
+        raise UserError(f"{t.run_dir} trained {t.spec.name}, not a byte-level GPT: generate needs one")
+    if args.tokens < 1 or args.temperature <= 0 or args.top_k < 0:
+        raise UserError("--tokens must be >= 1, --temperature > 0 and --top-k >= 0")
+    text = sample_text(t.model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    console.print(text, markup=False, highlight=False)
+    return 0
+
+
+def cmd_evaluate(args, console: Console) -> int:
+    from .data import first_batches
+    from .run import eval_fn_for
+    from .trained import find_run, load_trained
+
+    t = load_trained(find_run(args.run_dir), args.device or "auto")
+    if t.data.val is None:
+        raise UserError(f"{t.run_dir}'s data has no validation part: set data.val_fraction > 0 and train again")
+    metric = eval_fn_for(t.spec)
+    sums: dict[str, float] = {}
+    with torch.no_grad():
+        for batch in first_batches(t.data.val, args.batches, t.device.torch_device):
+            for k, v in metric(t.model, batch).items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+    result = {"run_dir": str(t.run_dir), "step": t.step, **{k: v / args.batches for k, v in sums.items()}}
+    if t.spec.is_language_model and t.data.vocab_size == 256:
+        result["bits_per_byte"] = result["loss"] / torch.log(torch.tensor(2.0)).item()
+    if args.json:
+        _print_json(result)
+    else:
+        console.print(" · ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
+    return 0
+
+
+def cmd_export(args, console: Console) -> int:
+    import dataclasses
+
+    from .checkpoint import export_safetensors
+    from .trained import find_run, load_trained
+
+    t = load_trained(find_run(args.run_dir), args.device or "cpu")
+    out = Path(args.out) if args.out else t.run_dir / "model.safetensors"
+    meta = {"gpudl_model": t.spec.name, "config": json.dumps(dataclasses.asdict(t.spec.config)), "step": str(t.step)}
+    console.print(f"Wrote {export_safetensors(t.model, out, meta)}")
+    return 0

@@ -1,0 +1,89 @@
+"""Data for a run: which source feeds which model, split into train and validation parts.
+
+>>> from gpudl.config import DataConfig
+>>> from gpudl.models import resolve
+>>> d = build_data(DataConfig(kind="synthetic"), resolve("gpt-tiny"), batch_size=2, seed=0)
+>>> [tuple(t.shape) for t in d.train.batch(0)]
+[(2, 128), (2, 128)]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import DataConfig
+from ..errors import UserError
+from ..models import ModelSpec
+from .images import ImageBatches, load_images
+from .loader import Batch, BatchSource, DeviceLoader, first_batches
+from .synthetic import SyntheticImages, SyntheticTokens
+from .text import TextBatches, TokenStream, byte_corpus
+
+KINDS_FOR = {"gpt": ("text", "tokens", "synthetic"), "resnet": ("images", "synthetic")}
+
+
+@dataclass
+class Data:
+    """Train and validation batch sources, and what one sample is."""
+
+    train: BatchSource
+    val: BatchSource | None
+    unit: str                      # what throughput counts: "tokens" or "images"
+    units_per_sample: int          # tokens per sequence, or 1 image
+    description: str
+    model_fit: dict = field(default_factory=dict)  # model settings the data implies (classes, channels)
+    vocab_size: int | None = None
+
+
+def build_data(cfg: DataConfig, spec: ModelSpec, batch_size: int, seed: int, rank: int = 0, world: int = 1) -> Data:
+    """The data source for model `spec`, sharded for data-parallel `rank` of `world`."""
+    kind = cfg.kind if cfg.kind != "auto" else KINDS_FOR[spec.family][0]
+    if kind not in KINDS_FOR[spec.family]:
+        raise UserError(f"data.kind={kind!r} cannot feed {spec.name}; use one of: {', '.join(KINDS_FOR[spec.family])}")
+    if spec.family == "gpt":
+        return _token_data(cfg, kind, spec, batch_size, seed, rank, world)
+    return _image_data(cfg, kind, spec, batch_size, seed, rank, world)
+
+
+def _token_data(cfg, kind, spec, batch_size, seed, rank, world) -> Data:
+    block = spec.config.block_size
+    if kind == "synthetic":
+        v = spec.config.vocab_size
+        return Data(SyntheticTokens(v, block, batch_size, seed + rank), SyntheticTokens(v, block, batch_size, seed + 10**6),
+                    "tokens", block, f"random tokens (vocab {v})", vocab_size=v)
+    if kind == "text":
+        file, dtype = byte_corpus(cfg.path), "uint8"
+        what = "Python standard-library source" if cfg.path is None else cfg.path
+    else:
+        if cfg.path is None or not Path(cfg.path).is_file():
+            raise UserError(f"data.kind='tokens' needs data.path to be a token file, got {cfg.path!r}")
+        file, dtype, what = Path(cfg.path), cfg.token_dtype, cfg.path
+    stream = TokenStream(file, dtype, cfg.val_fraction)
+    if stream.vocab_size > spec.config.vocab_size:
+        raise UserError(f"the data has token ids up to {stream.vocab_size - 1} but model.vocab_size="
+                        f"{spec.config.vocab_size}: set --set model.vocab_size={stream.vocab_size}")
+    train = TextBatches(stream.part("train"), block, batch_size, seed, rank, world)
+    val_part = stream.part("val")
+    val = TextBatches(val_part, block, batch_size, seed + 1, rank, world) if len(val_part) > block + 1 else None
+    return Data(train, val, "tokens", block, f"{what}: {len(stream.tokens):,} tokens ({dtype})",
+                vocab_size=stream.vocab_size)
+
+
+def _image_data(cfg, kind, spec, batch_size, seed, rank, world) -> Data:
+    c = spec.config
+    if kind == "synthetic":
+        def make(s):
+            return SyntheticImages(c.in_channels, cfg.image_size, c.num_classes, batch_size, s)
+        return Data(make(seed + rank), make(seed + 10**6), "images", 1,
+                    f"random {c.in_channels}x{cfg.image_size}x{cfg.image_size} images, {c.num_classes} classes")
+    images = load_images(cfg.path, cfg.image_size, seed)
+    train, val = images.split(cfg.val_fraction, seed)
+    what = cfg.path or "generated shapes"
+    fit = {"num_classes": len(images.classes), "in_channels": images.images.shape[1]}
+    return Data(ImageBatches(train, batch_size, seed, rank, world),
+                ImageBatches(val, batch_size, seed + 1, rank, world) if len(val.labels) >= batch_size * world else None,
+                "images", 1, f"{what}: {len(images.labels):,} images, {len(images.classes)} classes", model_fit=fit)
+
+
+__all__ = ["Data", "build_data", "Batch", "BatchSource", "DeviceLoader", "first_batches"]

@@ -1,0 +1,1 @@
+"""Spreading a model over devices and machines on torch.distributed (and the one order it happens in)."""

@@ -1,0 +1,98 @@
+"""What a run measures: FLOPs per sample (counted once), throughput, MFU and memory.
+
+FLOPs come from `torch.utils.flop_counter` over one forward + backward, on the meta device
+where possible (no memory, no compute, every kernel counted). MFU is achieved model FLOP/s over
+the peak measured on this device for the precision the run uses.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def count_training_flops(model: nn.Module, batch: tuple[torch.Tensor, ...],
+                         loss_fn: Callable[[nn.Module, tuple], torch.Tensor]) -> int:
+    """FLOPs of one forward + backward of `model` on `batch` (any device, meta included).
+
+    Attention runs through the math kernel while counting, so it is counted on every device
+    (the counter knows the CUDA flash kernels but not the CPU one). RNG state and gradients
+    are left as they were.
+    """
+    grads = {p: p.grad for p in model.parameters()}
+    buffers = {b: b.clone() for b in model.buffers()}  # e.g. BatchNorm statistics a forward updates
+    devices = [t.device for t in batch if t.device.type == "cuda"][:1]
+    with torch.random.fork_rng(devices=devices), sdpa_kernel(SDPBackend.MATH), \
+            FlopCounterMode(display=False) as counter:
+        loss_fn(model, batch).backward()
+    with torch.no_grad():
+        for p, g in grads.items():
+            p.grad = g
+        for b, saved in buffers.items():
+            b.copy_(saved)
+    return int(counter.get_total_flops())
+
+
+def meta_batch(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A batch of the same shapes and dtypes on the meta device."""
+    return tuple(torch.empty_like(t, device="meta") for t in batch)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory this process has used on `device` (the CPU: peak resident set size)."""
+    if device.type == "cpu":
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
+    module = torch.get_device_module(device.type)
+    if hasattr(module, "max_memory_allocated"):
+        return int(module.max_memory_allocated(device))
+    if hasattr(module, "driver_allocated_memory"):  # MPS
+        return int(module.driver_allocated_memory())
+    return 0
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type != "cpu":
+        module = torch.get_device_module(device.type)
+        if hasattr(module, "reset_peak_memory_stats"):
+            module.reset_peak_memory_stats(device)
+
+
+@dataclass
+class Throughput:
+    """Rates over a window of steps: samples/s, units (tokens or images)/s, MFU."""
+
+    samples_per_step: int
+    units_per_sample: int
+    flops_per_step: float
+    peak_flops: float
+    world: int = 1                      # devices working on the job
+    _t0: float = field(default_factory=time.perf_counter)
+    _steps: int = 0
+
+    def tick(self) -> None:
+        self._steps += 1
+
+    def window(self, exclude_s: float = 0.0) -> dict[str, float]:
+        """Rates since the last call, leaving out `exclude_s` seconds; then start a new window."""
+        now = time.perf_counter()
+        dt = max(now - self._t0 - exclude_s, 1e-9)
+        steps, self._t0, self._steps = self._steps, now, 0
+        samples = steps * self.samples_per_step / dt
+        return {
+            "step_s": dt / max(steps, 1),
+            "samples_per_s": samples,
+            "units_per_s": samples * self.units_per_sample,
+            "mfu": steps * self.flops_per_step / dt / (self.peak_flops * self.world) if self.peak_flops else 0.0,
+        }
+
+    def restart(self) -> None:
+        self._t0, self._steps = time.perf_counter(), 0

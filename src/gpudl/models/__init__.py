@@ -1,0 +1,104 @@
+"""Model presets and how to build them: on the meta device first, then on the target device.
+
+>>> spec = resolve("gpt-tiny", {"n_layer": 2})
+>>> spec.family, spec.config.n_layer
+('gpt', 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UserError, did_you_mean, unknown_name
+from ..settings import check_value, field_types
+from .gpt import GPT, GPTConfig
+from .resnet import ResNet, ResNetConfig
+
+FAMILIES: dict[str, tuple[type, type[nn.Module]]] = {"gpt": (GPTConfig, GPT), "resnet": (ResNetConfig, ResNet)}
+
+
+def _gpt2(n_layer: int, n_head: int, d_model: int) -> GPTConfig:
+    # GPT-2's vocabulary (50257) padded to a multiple of 64, which tensor cores prefer.
+    return GPTConfig(n_layer=n_layer, n_head=n_head, d_model=d_model, block_size=1024, vocab_size=50304)
+
+
+PRESETS: dict[str, tuple[str, Any]] = {
+    "gpt-tiny": ("gpt", GPTConfig(n_layer=4, n_head=4, d_model=128, block_size=128, vocab_size=256)),
+    "gpt-small": ("gpt", GPTConfig(n_layer=6, n_head=6, d_model=384, block_size=256, vocab_size=256)),
+    "gpt2-124m": ("gpt", _gpt2(12, 12, 768)),
+    "gpt2-350m": ("gpt", _gpt2(24, 16, 1024)),
+    "gpt2-774m": ("gpt", _gpt2(36, 20, 1280)),
+    "gpt2-1.5b": ("gpt", _gpt2(48, 25, 1600)),
+    "gpt-1b": ("gpt", GPTConfig(n_layer=18, n_head=16, d_model=2048, block_size=2048, vocab_size=50304)),
+    **{f"resnet{d}": ("resnet", ResNetConfig(depth=d)) for d in (18, 34, 50, 101, 152)},
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A resolved model: its preset name, family and the family's own config."""
+
+    name: str
+    family: str
+    config: Any
+
+    @property
+    def is_language_model(self) -> bool:
+        return self.family == "gpt"
+
+
+def resolve(name: str, overrides: dict[str, Any] | None = None) -> ModelSpec:
+    """The preset `name` with `overrides` applied, each checked against the family's fields."""
+    if name not in PRESETS:
+        raise unknown_name("model", name, PRESETS)
+    family, base = PRESETS[name]
+    cls = FAMILIES[family][0]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    types = field_types(cls)
+    changes = {}
+    for key, value in (overrides or {}).items():
+        if key not in fields:
+            raise UserError(f"unknown setting 'model.{key}' for {family} model {name!r}{did_you_mean(key, fields)}; "
+                            f"[model] takes: name, {', '.join(fields)}")
+        changes[key] = check_value(f"model.{key}", types[key], value, dict(fields[key].metadata))
+    return ModelSpec(name, family, dataclasses.replace(base, **changes))
+
+
+def build(spec: ModelSpec, device: torch.device, dtype: torch.dtype = torch.float32,
+          seed: int = 0) -> nn.Module:
+    """Build on the meta device (no memory), then allocate on `device` and initialise there."""
+    model = build_meta(spec)
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model.to(dtype)
+
+
+def build_meta(spec: ModelSpec) -> nn.Module:
+    """The model with every tensor on the meta device: shapes without storage."""
+    with torch.device("meta"):
+        return FAMILIES[spec.family][1](spec.config)
+
+
+def loss_for(spec: ModelSpec):
+    """The training loss of a preset as `loss(model, batch) -> scalar`."""
+    if spec.is_language_model:
+        return lambda model, batch: model(batch[0], batch[1])
+    return lambda model, batch: F.cross_entropy(model(batch[0]).float(), batch[1])
+
+
+def describe(spec: ModelSpec) -> str:
+    c = spec.config
+    if spec.family == "gpt":
+        return f"GPT {c.n_layer} layers, {c.n_head} heads, width {c.d_model}, context {c.block_size}, vocab {c.vocab_size}"
+    return f"ResNet-{c.depth}, {c.num_classes} classes, {'small' if c.small_stem else 'ImageNet'} stem"
+
+
+__all__ = ["GPT", "GPTConfig", "ResNet", "ResNetConfig", "PRESETS", "ModelSpec", "resolve", "build",
+           "build_meta", "loss_for", "describe"]

@@ -1,0 +1,161 @@
+"""A GPT-style decoder: pre-norm blocks, causal `scaled_dot_product_attention`, tied embeddings.
+
+Query, key and value have separate projections so that tensor parallelism can shard them
+column-wise by heads; attention infers the number of local heads from the tensor it gets.
+
+>>> import torch
+>>> m = GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=16)); m.init_weights()
+>>> m(torch.zeros(1, 8, dtype=torch.long)).shape
+torch.Size([1, 8, 256])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UserError
+from ..settings import option
+
+
+@dataclass(kw_only=True)
+class GPTConfig:
+    n_layer: int = option(4, "transformer blocks", ge=1)
+    n_head: int = option(4, "attention heads", ge=1)
+    d_model: int = option(128, "width of the residual stream", ge=1)
+    block_size: int = option(128, "context length in tokens", ge=1)
+    vocab_size: int = option(256, "token ids the model knows (256: raw bytes)", ge=1)
+    dropout: float = option(0.0, "dropout probability", ge=0.0, le=1.0)
+    bias: bool = option(False, "biases in linear layers and norms")
+    mlp_ratio: int = option(4, "hidden width of the MLP as a multiple of d_model", ge=1)
+
+    def __post_init__(self):
+        if self.d_model % self.n_head:
+            raise UserError(f"model.d_model={self.d_model} must be divisible by model.n_head={self.n_head}: "
+                            f"pick n_head among the divisors of {self.d_model}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        c = cfg.d_model
+        self.head_dim, self.dropout = cfg.head_dim, cfg.dropout
+        self.wq = nn.Linear(c, c, bias=cfg.bias)
+        self.wk = nn.Linear(c, c, bias=cfg.bias)
+        self.wv = nn.Linear(c, c, bias=cfg.bias)
+        self.wo = nn.Linear(c, c, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, C)
+        b, t, _ = x.shape
+        # (B, H, T, D); H is the local head count, which tensor parallelism divides.
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = Attention(cfg)
+        self.norm2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class GPT(nn.Module):
+    """Token ids (B, T) -> logits (B, T, V); with targets, the mean cross-entropy instead."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        # Moving a module off the meta device gives each parameter new storage; tie again after.
+        self.lm_head.weight = self.wte.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 initialisation; residual projections scaled by 1/sqrt(2 * n_layer)."""
+        self.tie_weights()
+        std = 0.02
+        for m in self.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.reset_parameters()
+            elif isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, 0.0, std)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+        for block in self.blocks:
+            for proj in (block.attn.wo, block.mlp.proj):
+                nn.init.normal_(proj.weight, 0.0, std / math.sqrt(2 * self.cfg.n_layer))
+
+    def activation_checkpoint_units(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.cfg.block_size:
+            raise ValueError(f"sequence of {t} tokens is longer than block_size={self.cfg.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters (shared ones once); without the position embedding when `non_embedding`."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+
+def formula_flops_per_token(cfg: GPTConfig, n_params: int) -> int:
+    """Training FLOPs per token: 6N + 12 * L * H * Q * T (Kaplan et al.; PaLM appendix B)."""
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.block_size
+
+
+@torch.no_grad()
+def generate(model: GPT, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Extend token ids (B, T) by `new_tokens` sampled ones; returns (B, T + new_tokens)."""
+    for _ in range(new_tokens):
+        context = idx[:, -model.cfg.block_size:]
+        logits = model(context)[:, -1, :].float() / temperature  # (B, V)
+        if top_k:
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx

@@ -1,0 +1,92 @@
+"""The run's side of the training loop: metrics every `log_every` steps, evaluation lines, checkpoints.
+
+Per-step losses stay on the device and are read in one transfer per log interval; time spent
+evaluating and checkpointing is left out of the throughput figures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .metrics import Throughput, peak_memory_bytes
+from .train import TrainState
+
+
+@dataclass
+class Monitor:
+    """Implements the loop's `Events`: records, sinks, progress, and periodic checkpoints."""
+
+    throughput: Throughput
+    device: torch.device
+    log_every: int
+    max_steps: int
+    sinks: list = field(default_factory=list)
+    progress: object | None = None
+    data_wait: Callable[[], float] = lambda: 0.0     # seconds spent waiting on data so far
+    save: Callable[[TrainState], None] | None = None
+    save_every: int = 0
+    reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t  # mean over data-parallel ranks
+    records: list[dict] = field(default_factory=list)
+    _losses: list = field(default_factory=list)
+    _norms: list = field(default_factory=list)
+    _wait_mark: float = 0.0
+    _excluded: float = 0.0
+    _step_end: float = 0.0
+
+    def on_step(self, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+        self.throughput.tick()
+        self._losses.append(loss)
+        self._norms.append(grad_norm)
+        if state.step % self.log_every == 0 or state.step == self.max_steps:
+            self._log(state, lr)
+        self._step_end = time.perf_counter()
+
+    def _log(self, state: TrainState, lr: float) -> None:
+        losses = self.reduce(torch.stack(self._losses)).tolist()  # one device->host transfer
+        norms = torch.stack(self._norms).float().tolist()
+        self._losses.clear()
+        self._norms.clear()
+        rates = self.throughput.window(exclude_s=self._excluded)
+        self._excluded = 0.0
+        wait = self.data_wait()
+        window_s = rates["step_s"] * len(losses)
+        finite_losses = [x for x in losses if x == x and abs(x) != float("inf")]
+        record = {
+            "kind": "train", "step": state.step, "loss": sum(finite_losses) / max(len(finite_losses), 1),
+            "lr": lr, "grad_norm": norms[-1], **rates,
+            "peak_mem_gb": peak_memory_bytes(self.device) / 2**30,
+            "data_wait_frac": min(1.0, (wait - self._wait_mark) / window_s) if window_s > 0 else 0.0,
+            "nonfinite_total": state.nonfinite_total,
+        }
+        self._wait_mark = wait
+        self._emit(record)
+        if self.progress is not None:
+            self.progress.update(record)
+
+    def on_eval(self, state: TrainState, metrics: dict[str, float]) -> None:
+        self._excluded += time.perf_counter() - self._step_end  # evaluation ran since the step ended
+        record = {"kind": "eval", "step": state.step, **metrics}
+        self._emit(record)
+        if self.progress is not None:
+            shown = " · ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+            self.progress.print(f"step {state.step:>6} · validation {shown}")
+
+    def after_step(self, state: TrainState) -> None:
+        if self.save is not None and (state.step == self.max_steps or
+                                      (self.save_every and state.step % self.save_every == 0)):
+            t0 = time.perf_counter()
+            self.save(state)
+            self._excluded += time.perf_counter() - t0
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` (evaluation, say) out of the current throughput window."""
+        self._excluded += seconds
+
+    def _emit(self, record: dict) -> None:
+        self.records.append(record)
+        for sink in self.sinks:
+            sink.write(record)

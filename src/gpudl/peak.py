@@ -1,0 +1,98 @@
+"""Peak FLOP/s measured by a short matmul probe, cached per device, torch version and precision.
+
+MFU in gpudl is always model FLOP/s divided by the peak measured here for the precision the
+run uses: a figure the reader's own machine produced, not a datasheet promise.
+
+>>> from gpudl.device import cpu_info
+>>> measured_peak_flops(cpu_info(), "fp32") > 1e9
+True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from contextlib import contextmanager
+
+import torch
+
+from .device import DeviceInfo, synchronize
+from .paths import cache_dir
+
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@contextmanager
+def _matmul_precision(precision: str):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def probe_matmul_flops(device: torch.device, precision: str, n: int, min_seconds: float = 0.2) -> float:
+    """Best FLOP/s of an n x n x n matmul over a few timed rounds."""
+    a = torch.randn(n, n, device=device, dtype=DTYPES[precision])
+    b = torch.randn(n, n, device=device, dtype=DTYPES[precision])
+    with _matmul_precision(precision):
+        for _ in range(2):
+            torch.mm(a, b)
+        synchronize(device)
+        best, spent = 0.0, 0.0
+        while spent < min_seconds or best == 0.0:
+            reps = 3
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                torch.mm(a, b)
+            synchronize(device)
+            dt = time.perf_counter() - t0
+            spent += dt
+            best = max(best, 2 * n**3 * reps / dt)
+    return best
+
+
+def _cache_key(info: DeviceInfo, precision: str) -> str:
+    threads = f"|threads={torch.get_num_threads()}" if info.type == "cpu" else ""
+    return f"{info.kind}|{info.name}|torch={torch.__version__}|{precision}{threads}"
+
+
+def _read_cache(path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(path, data: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".peak-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+
+
+def measured_peak_flops(info: DeviceInfo, precision: str, use_cache: bool = True) -> float:
+    """Peak FLOP/s of `info`'s device at `precision` (fp32 | tf32 | bf16 | fp16), measured once."""
+    if precision not in info.precisions():
+        raise ValueError(f"{info.label} does not run {precision}")
+    path = cache_dir() / "peak_flops.json"
+    cache = _read_cache(path) if use_cache else {}
+    key = _cache_key(info, precision)
+    if key not in cache:
+        n = 1024 if info.type == "cpu" else 8192
+        cache[key] = probe_matmul_flops(info.torch_device, precision, n)
+        if use_cache:
+            _write_cache(path, {**_read_cache(path), key: cache[key]})
+    return float(cache[key])
+
+
+def peak_key(precision_policy: str, tf32: bool = False) -> str:
+    """Which measured peak a precision policy is held against for MFU."""
+    if precision_policy.startswith("bf16"):
+        return "bf16"
+    if precision_policy.startswith("fp16"):
+        return "fp16"
+    return "tf32" if tf32 else "fp32"

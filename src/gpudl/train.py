@@ -1,0 +1,133 @@
+"""The training loop: forward, backward and the optimizer step, batch by batch.
+
+Everything that differs between devices, precisions and parallel strategies was decided
+before the loop starts and arrives here as objects (`Job`): the loop has no branches on them.
+One step = `grad_accum` micro-batches of forward + backward, then unscale, clip, a finiteness
+check that decides the update, the update itself, and the schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from .config import TrainConfig
+from .errors import UserError
+from .precision import Precision
+
+Batch = tuple[torch.Tensor, ...]
+
+
+@dataclass
+class TrainState:
+    """What the loop has done so far; saved with every checkpoint."""
+
+    step: int = 0                 # optimizer steps taken (skipped ones included)
+    batches: int = 0              # micro-batches consumed: the data position
+    nonfinite_in_a_row: int = 0
+    nonfinite_total: int = 0
+
+
+@dataclass
+class Job:
+    """Everything the loop needs, already placed on the device and wrapped for the strategy."""
+
+    model: nn.Module
+    loss_fn: Callable[[nn.Module, Batch], torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    precision: Precision
+    batches: Iterator[Batch]
+    eval_fn: Callable[[nn.Module, Batch], dict[str, torch.Tensor]] | None = None
+    eval_batches: Callable[[], Iterable[Batch]] | None = None
+    # Context for micro-batch backward: DDP/FSDP skip their gradient sync unless it is the last one.
+    grad_sync: Callable[[bool], AbstractContextManager] = field(default=lambda last: nullcontext())
+
+
+class Events(Protocol):
+    """What the run does around the loop: metrics, evaluation logs, checkpoints."""
+
+    def on_step(self, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None: ...
+    def on_eval(self, state: TrainState, metrics: dict[str, float]) -> None: ...
+    def after_step(self, state: TrainState) -> None: ...
+
+
+class NonFiniteError(UserError):
+    """Too many steps in a row had a NaN or Inf gradient."""
+
+
+def forward_backward(job: Job, grad_accum: int) -> torch.Tensor:
+    """Accumulate gradients over `grad_accum` micro-batches; returns their mean loss (on device)."""
+    total = torch.zeros((), device=next(job.model.parameters()).device)
+    for micro in range(grad_accum):
+        batch = next(job.batches)
+        with job.grad_sync(micro == grad_accum - 1):
+            with job.precision.autocast():
+                loss = job.loss_fn(job.model, batch) / grad_accum
+            job.precision.backward(loss)
+        total += loss.detach()
+    return total
+
+
+def clip_gradients(job: Job, max_norm: float) -> torch.Tensor:
+    """Unscale (fp16), then clip to `max_norm` (0: measure only); returns the global grad norm."""
+    job.precision.unscale(job.optimizer)
+    params = [p for g in job.optimizer.param_groups for p in g["params"]]
+    return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+
+
+def check_finite(grad_norm: torch.Tensor, state: TrainState, limit: int) -> bool:
+    """Count a non-finite step; stop the run after `limit` in a row. The one host sync per step."""
+    if bool(torch.isfinite(grad_norm)):
+        state.nonfinite_in_a_row = 0
+        return True
+    state.nonfinite_in_a_row += 1
+    state.nonfinite_total += 1
+    if state.nonfinite_in_a_row >= limit:
+        raise NonFiniteError(f"{limit} steps in a row had NaN/Inf gradients (last at step {state.step + 1}): "
+                             f"lower optim.lr, use precision=bf16-mixed or fp32, or check the data")
+    return False
+
+
+@torch.no_grad()
+def evaluate(job: Job) -> dict[str, float]:
+    """Mean of each evaluation metric over the evaluation batches, in eval mode."""
+    job.model.eval()
+    sums: dict[str, torch.Tensor] = {}
+    n = 0
+    for batch in job.eval_batches():
+        with job.precision.autocast():
+            for key, value in job.eval_fn(job.model, batch).items():
+                sums[key] = sums.get(key, 0) + value.detach().float()
+        n += 1
+    job.model.train()
+    return {k: float(v) / max(n, 1) for k, v in sums.items()}
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    return step == last or (every > 0 and step % every == 0)
+
+
+def train_loop(job: Job, cfg: TrainConfig, state: TrainState, events: Events) -> TrainState:
+    """Train from `state` to `cfg.max_steps`, reporting to `events`."""
+    job.model.train()
+    while state.step < cfg.max_steps:
+        loss = forward_backward(job, cfg.grad_accum)
+        state.batches += cfg.grad_accum
+        grad_norm = clip_gradients(job, cfg.grad_clip)
+        finite = check_finite(grad_norm, state, cfg.max_nonfinite)
+        job.precision.step(job.optimizer, finite)  # a non-finite step leaves weights and moments untouched
+        job.optimizer.zero_grad(set_to_none=True)
+        lr = job.scheduler.get_last_lr()[0]
+        job.scheduler.step()
+        state.step += 1
+        events.on_step(state, loss, grad_norm, lr)
+        if job.eval_batches is not None and _due(state.step, cfg.eval_every, cfg.max_steps):
+            events.on_eval(state, evaluate(job))
+        events.after_step(state)
+    return state

@@ -1,0 +1,58 @@
+"""Open a finished (or running) run folder: its config, its model with the newest weights."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from . import models
+from .checkpoint import Checkpointer, model_fingerprint
+from .config import Config, load_config
+from .data import Data
+from .device import DeviceInfo, detect
+from .errors import UserError
+from .run import model_and_data
+
+
+@dataclass
+class Trained:
+    run_dir: Path
+    cfg: Config
+    spec: models.ModelSpec
+    model: nn.Module
+    data: Data
+    device: DeviceInfo
+    step: int
+
+
+def find_run(run_dir: str | None, runs_root: str = "runs") -> Path:
+    """The run folder asked for, or the newest one under ./runs."""
+    if run_dir is not None:
+        path = Path(run_dir)
+        if not (path / "config.toml").is_file():
+            raise UserError(f"{run_dir!r} is not a gpudl run folder (no config.toml): pass a folder under runs/")
+        return path
+    root = Path(runs_root)
+    runs = [p for p in root.iterdir() if (p / "config.toml").is_file()] if root.is_dir() else []
+    if not runs:
+        raise UserError(f"no run folder under {runs_root}/: train one first (gpudl train) or pass RUN_DIR")
+    return max(runs, key=lambda p: p.stat().st_mtime)
+
+
+def load_trained(run_dir: Path, device: str = "auto") -> Trained:
+    """Rebuild the run's model on `device` and load the weights of its newest checkpoint."""
+    cfg = load_config(run_dir / "config.toml")
+    info = detect(device)
+    spec, data = model_and_data(cfg)
+    model = models.build(spec, info.torch_device)
+    fp = model_fingerprint(spec.name, dataclasses.asdict(spec.config), model)
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, fp)
+    latest = ckpt.latest()
+    if latest is None:
+        raise UserError(f"{run_dir} has no complete checkpoint yet: wait for the first save or train longer")
+    state = ckpt.load(latest, model, optimizer=None)
+    model.eval()
+    return Trained(run_dir, cfg, spec, model, data, info, state["train_state"]["step"])
