@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
@@ -32,10 +33,12 @@ PREFIX = "step_"
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, but non-tensor entries are read with `weights_only=True`."""
+    """DCP's default planner, but a non-tensor entry must first load with `weights_only=True`."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+        data = value.read()
+        torch.load(io.BytesIO(data), weights_only=True)  # raises on anything but plain data
+        super().load_bytes(read_item, io.BytesIO(data))  # vetted: now place it as DCP does
 
 
 @contextmanager
@@ -154,7 +157,8 @@ class Checkpointer:
         try:
             with _single_process_ok():
                 dcp.load(sd, checkpoint_id=str(ckpt), planner=SafeLoadPlanner(allow_partial_load=optimizer is None))
-        except Exception as e:  # DCP wraps every read failure; the manifest passed, so the format is wrong
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            # The manifest matched, so the bytes are as written: the format is what does not fit.
             raise UserError(f"checkpoint {ckpt} could not be read ({type(e).__name__}): "
                             f"it was written by an incompatible version or is damaged") from None
         set_model_state_dict(model, sd["model"])

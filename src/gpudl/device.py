@@ -150,7 +150,8 @@ def accelerator_info(device_type: str, index: int, count: int) -> DeviceInfo:
     module = torch.get_device_module(device_type)
     props = module.get_device_properties(index) if hasattr(module, "get_device_properties") else None
     name = getattr(props, "name", None) or _safe(lambda: module.get_device_name(index)) or device_type
-    units = getattr(props, "gpu_eu_count", None) or getattr(props, "max_compute_units", None)
+    # An Xe core is a "subslice" of 8-16 EUs; gpu_eu_count and max_compute_units count EUs, not Xe cores.
+    units = getattr(props, "gpu_subslice_count" if device_type == "xpu" else "max_compute_units", None)
     return DeviceInfo(
         kind=device_type, type=device_type, index=index, name=str(name), count=count,
         memory_bytes=getattr(props, "total_memory", None), compute_units=units,

@@ -36,8 +36,8 @@ def _matmul_precision(precision: str):
 
 def probe_matmul_flops(device: torch.device, precision: str, n: int, min_seconds: float = 0.2) -> float:
     """Best FLOP/s of an n x n x n matmul over a few timed rounds."""
-    a = torch.randn(n, n, device=device, dtype=DTYPES[precision])
-    b = torch.randn(n, n, device=device, dtype=DTYPES[precision])
+    g = torch.Generator().manual_seed(0)  # a private generator: probing must not move the run's RNG
+    a, b = (torch.randn(n, n, generator=g).to(device, DTYPES[precision]) for _ in range(2))
     with _matmul_precision(precision):
         for _ in range(2):
             torch.mm(a, b)

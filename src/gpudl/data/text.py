@@ -24,6 +24,9 @@ from ..errors import UserError
 from ..paths import cache_dir
 
 # Parts of the standard library that are data-like or test fixtures rather than typical code.
+# Bump when the way files become a token file changes, so cached corpora are rebuilt.
+CORPUS_FORMAT = 1
+
 _SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__"}
 
 
@@ -51,9 +54,9 @@ def _write_bytes_file(files: list[Path], out: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tokens-")
     with os.fdopen(fd, "wb") as f:
         for p in files:
-            data = p.read_bytes()
-            if b"\x00" not in data[:4096]:  # a NUL byte marks a binary file, not text
-                f.write(data.rstrip(b"\n") + b"\n\n")
+            data = p.read_bytes().rstrip(b"\n")
+            if data and b"\x00" not in data[:4096]:  # a NUL byte marks a binary file, not text
+                f.write(data + b"\n\n")
     os.replace(tmp, out)
 
 
@@ -68,7 +71,7 @@ def byte_corpus(path: str | None) -> Path:
         files, label = _text_files(src), src.name
     if not files:
         raise UserError(f"data.path {path!r} holds no files: add text files or choose another folder")
-    out = cache_dir() / f"text-{label}-{_fingerprint(files)}.u8"
+    out = cache_dir() / f"text-v{CORPUS_FORMAT}-{label}-{_fingerprint(files)}.u8"
     if not out.exists():
         _write_bytes_file(files, out)
     if out.stat().st_size == 0:

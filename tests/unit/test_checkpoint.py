@@ -1,0 +1,115 @@
+import json
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from rich.console import Console
+
+from gpudl.checkpoint import SafeLoadPlanner, complete_checkpoints
+from gpudl.errors import UserError
+from gpudl.run import train
+
+QUIET = Console(quiet=True)
+RESUMABLE = ["train.max_steps=12", "checkpoint.every=6", "train.log_every=1", "train.eval_every=0",
+             "model.dropout=0.1", "sample.tokens=0"]
+
+
+def losses(records):
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tiny):
+    full = train(tiny(*RESUMABLE, "run.name=full"), console=QUIET)
+    cut = train(tiny(*RESUMABLE, "run.name=cut"), console=QUIET)
+    ckpts = complete_checkpoints(cut.run_dir / "checkpoints")
+    assert [c.name for c in ckpts] == ["step_00000006", "step_00000012"]
+    shutil.rmtree(ckpts[-1])  # as if the run had died after step 6's checkpoint
+    resumed = train(tiny(*RESUMABLE, "run.name=cut"), resume=cut.run_dir, console=QUIET)
+    assert losses(resumed.records) == {s: v for s, v in losses(full.records).items() if s > 6}
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+    on_disk = [json.loads(line) for line in (cut.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in on_disk if r["kind"] == "train"] == list(range(1, 13))  # no duplicates
+
+
+def test_a_run_folder_in_use_is_never_overwritten(tiny):
+    first = train(tiny("run.name=same", "train.max_steps=2"), console=QUIET)
+    before = {p.name: p.stat().st_mtime_ns for p in first.run_dir.iterdir()}
+    with pytest.raises(UserError, match="already holds a run: continue it with --resume"):
+        train(tiny("run.name=same", "train.max_steps=2"), console=QUIET)
+    assert {p.name: p.stat().st_mtime_ns for p in first.run_dir.iterdir()} == before
+
+
+@pytest.fixture
+def finished(tiny):
+    return train(tiny("run.name=done", "train.max_steps=4", "checkpoint.every=2"), console=QUIET)
+
+
+def test_only_the_newest_checkpoints_are_kept(finished):
+    assert [c.name for c in complete_checkpoints(finished.run_dir / "checkpoints")] == \
+        ["step_00000002", "step_00000004"]
+
+
+def test_a_half_written_checkpoint_is_ignored(finished):
+    ckpts = finished.run_dir / "checkpoints"
+    (ckpts / "step_00000006.tmp").mkdir()
+    (ckpts / "step_00000006.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    incomplete = ckpts / "step_00000008"
+    shutil.copytree(ckpts / "step_00000004", incomplete)
+    (incomplete / "manifest.json").unlink()  # the manifest is written last: no manifest, no checkpoint
+    assert complete_checkpoints(ckpts)[-1].name == "step_00000004"
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda f: f.write_bytes(f.read_bytes()[:-100]), "bytes, expected"),
+    (lambda f: f.write_bytes(f.read_bytes()[:50] + b"X" + f.read_bytes()[51:]), "wrong checksum"),
+    (lambda f: f.unlink(), "is missing"),
+])
+def test_a_damaged_checkpoint_is_refused_and_left_alone(tiny, finished, damage, words):
+    newest = complete_checkpoints(finished.run_dir / "checkpoints")[-1]
+    damage(next(newest.glob("*.distcp")))
+    files_before = sorted(p.name for p in finished.run_dir.rglob("*"))
+    with pytest.raises(UserError, match=f"checkpoint .*step_00000004 is damaged .*{words}"):
+        train(tiny("run.name=done", "train.max_steps=6"), resume=finished.run_dir, console=QUIET)
+    assert sorted(p.name for p in finished.run_dir.rglob("*")) == files_before
+
+
+def test_a_checkpoint_of_another_model_is_refused(tiny, finished):
+    with pytest.raises(UserError, match="holds another model"):
+        train(tiny("run.name=done", "train.max_steps=6", "model.n_layer=3"), resume=finished.run_dir, console=QUIET)
+
+
+def test_resume_without_a_checkpoint_says_so(tiny, tmp_path):
+    empty = tmp_path / "runs" / "empty"
+    empty.mkdir(parents=True)
+    with pytest.raises(UserError, match="nothing to resume"):
+        train(tiny(), resume=empty, console=QUIET)
+
+
+def test_export_writes_the_weights_once_each(finished):
+    from safetensors.torch import load_file
+
+    tensors = load_file(finished.run_dir / "model.safetensors")
+    named = dict(finished.model.named_parameters())
+    assert "lm_head.weight" not in tensors or "wte.weight" not in tensors  # tied: stored once
+    for name, t in tensors.items():
+        assert torch.equal(t, named[name].detach())
+
+
+class NotData:
+    pass
+
+
+def test_checkpoints_never_unpickle_arbitrary_objects(tmp_path):
+    dcp.save({"x": NotData(), "t": torch.zeros(2)}, checkpoint_id=str(tmp_path))
+    target = {"x": None, "t": torch.ones(2)}
+    with pytest.raises(CheckpointException) as refused:
+        dcp.load(target, checkpoint_id=str(tmp_path), planner=SafeLoadPlanner())
+    assert "Unsupported global" in str(refused.value) and target["x"] is None
+    ok = {"t": torch.zeros(2), "n": 3}
+    dcp.save(ok, checkpoint_id=str(tmp_path / "ok"))
+    back = {"t": torch.ones(2), "n": 0}
+    dcp.load(back, checkpoint_id=str(tmp_path / "ok"), planner=SafeLoadPlanner())
+    assert back["n"] == 3 and torch.equal(back["t"], torch.zeros(2))

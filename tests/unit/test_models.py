@@ -1,0 +1,112 @@
+import pytest
+import torch
+
+from gpudl import models
+from gpudl.metrics import count_training_flops, meta_batch
+from gpudl.models.gpt import GPT, GPTConfig, formula_flops_per_token
+
+# Parameter counts published with torchvision's ImageNet models (1000 classes, ImageNet stem):
+# an independent reference for our ResNets.
+TORCHVISION_RESNET_PARAMS = {18: 11_689_512, 34: 21_797_672, 50: 25_557_032, 101: 44_549_160, 152: 60_192_808}
+
+
+def n_params(m):
+    return sum(p.numel() for p in m.parameters())
+
+
+@pytest.mark.parametrize("depth, expected", TORCHVISION_RESNET_PARAMS.items())
+def test_resnet_parameter_counts_match_torchvision(depth, expected):
+    spec = models.resolve(f"resnet{depth}", {"num_classes": 1000, "small_stem": False})
+    assert n_params(models.build_meta(spec)) == expected
+
+
+def gpt_param_formula(c: GPTConfig) -> int:
+    """By hand: embeddings + per block (4 attention matrices, 2 MLP matrices, 2 norms) + final norm."""
+    d, f = c.d_model, c.mlp_ratio * c.d_model
+    block = 4 * d * d + 2 * d * f + 2 * d
+    return c.vocab_size * d + c.block_size * d + c.n_layer * block + d
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "gpt-1b"])
+def test_gpt_presets_build_on_meta_with_the_formula_count(name):
+    spec = models.resolve(name)
+    m = models.build_meta(spec)
+    assert all(p.device.type == "meta" for p in m.parameters())
+    assert n_params(m) == gpt_param_formula(spec.config)
+
+
+def test_gpt2_124m_is_gpt2_small():
+    assert 124e6 < n_params(models.build_meta(models.resolve("gpt2-124m"))) < 125e6
+    assert 0.95e9 < n_params(models.build_meta(models.resolve("gpt-1b"))) < 1.1e9
+
+
+def test_build_materialises_on_the_device_with_tied_weights_and_gpt2_init():
+    spec = models.resolve("gpt-tiny")
+    m = models.build(spec, torch.device("cpu"), seed=1)
+    assert m.lm_head.weight is m.wte.weight
+    assert abs(m.wte.weight.std().item() - 0.02) < 0.002
+    assert torch.equal(m.blocks[0].norm1.weight, torch.ones(128))
+    again = models.build(spec, torch.device("cpu"), seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), again.parameters()))
+
+
+def test_gpt_is_causal():
+    m = models.build(models.resolve("gpt-tiny", {"n_layer": 2}), torch.device("cpu"))
+    x = torch.randint(0, 256, (1, 16))
+    y = x.clone()
+    y[0, 10] = (y[0, 10] + 1) % 256
+    a, b = m(x), m(y)
+    assert torch.allclose(a[:, :10], b[:, :10], atol=1e-6)
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_gpt_loss_at_init_is_near_uniform():
+    m = models.build(models.resolve("gpt-tiny"), torch.device("cpu"))
+    x, y = torch.randint(0, 256, (4, 64)), torch.randint(0, 256, (4, 64))
+    assert abs(m(x, y).item() - torch.log(torch.tensor(256.0)).item()) < 0.1
+
+
+@pytest.mark.parametrize("small_stem, size", [(True, 32), (False, 64)])
+def test_resnet_forward_shapes(small_stem, size):
+    m = models.build(models.resolve("resnet18", {"num_classes": 7, "small_stem": small_stem}), torch.device("cpu"))
+    assert m(torch.randn(2, 3, size, size)).shape == (2, 7)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-124m", "gpt-1b"])
+def test_counted_flops_match_the_gpt_formula(name):
+    """flop_counter over forward+backward on the meta device vs 6N + 12*L*H*Q*T per token."""
+    spec = models.resolve(name)
+    m = models.build_meta(spec)
+    c = spec.config
+    batch = meta_batch((torch.zeros(2, c.block_size, dtype=torch.long),) * 2)
+    counted = count_training_flops(m, batch, models.loss_for(spec))
+    # N: every matmul weight, the tied embedding counted once as the head (position embeddings do no matmul).
+    n = n_params(m) - c.block_size * c.d_model
+    expected = 2 * c.block_size * formula_flops_per_token(c, n)
+    assert counted == pytest.approx(expected, rel=0.01)
+
+
+def test_flop_counter_on_a_linear_layer_is_exact():
+    lin = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(8, 64)
+    flops = count_training_flops(lin, (x,), lambda m, b: m(b[0]).sum())
+    assert flops == 2 * 8 * 64 * 32 * 2  # forward, plus the weight gradient (no input grad needed)
+    assert lin.weight.grad is None
+
+
+def test_flop_counting_leaves_batchnorm_statistics_alone():
+    m = models.build(models.resolve("resnet18"), torch.device("cpu"))
+    before = m.stem[1].running_mean.clone()
+    count_training_flops(m, (torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))),
+                         models.loss_for(models.resolve("resnet18")))
+    assert torch.equal(before, m.stem[1].running_mean)
+    assert all(p.grad is None for p in m.parameters())
+
+
+def test_gpt_generate_extends_the_sequence():
+    from gpudl.generate import sample_text
+
+    m = models.build(models.resolve("gpt-tiny", {"n_layer": 1}), torch.device("cpu"))
+    text = sample_text(m, "def ", 20, seed=3)
+    assert text.startswith("def ") and len(text.encode("utf8", errors="replace")) >= 20
+    assert text == sample_text(m, "def ", 20, seed=3)

@@ -1,0 +1,146 @@
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpudl.config import OptimConfig, TrainConfig
+from gpudl.device import cpu_info
+from gpudl.optim import make_optimizer, make_scheduler
+from gpudl.precision import Precision, make_precision
+from gpudl.train import Job, NonFiniteError, TrainState, evaluate, train_loop
+
+
+class Quiet:
+    """Events that remember what the loop reported."""
+
+    def __init__(self):
+        self.losses, self.evals = [], []
+
+    def on_step(self, state, loss, grad_norm, lr):
+        self.losses.append(loss.item())
+
+    def on_eval(self, state, metrics):
+        self.evals.append(metrics)
+
+    def after_step(self, state):
+        pass
+
+
+def make_net(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 3))
+
+
+def data(n_batches, batch_size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch_size, 8, generator=g), torch.randint(0, 3, (batch_size,), generator=g))
+            for _ in range(n_batches)]
+
+
+def loss_fn(model, batch):
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def gpudl_job(model, batches, steps, precision="fp32", **kw):
+    opt = make_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=2), "cpu")
+    return Job(model=model, loss_fn=kw.pop("loss", loss_fn), optimizer=opt,
+               scheduler=make_scheduler(opt, OptimConfig(lr=1e-2, warmup_steps=2), steps),
+               precision=make_precision(precision, cpu_info()), batches=iter(batches), **kw)
+
+
+def test_loop_equals_a_plain_pytorch_loop_bit_for_bit():
+    steps, accum = 6, 2
+    batches = data(steps * accum, 4)
+    ours, theirs = make_net(), make_net()
+    job = gpudl_job(ours, batches, steps)
+    train_loop(job, TrainConfig(max_steps=steps, grad_accum=accum, grad_clip=0.5), TrainState(), Quiet())
+
+    opt = make_optimizer(theirs, OptimConfig(lr=1e-2, warmup_steps=2), "cpu")
+    sched = make_scheduler(opt, OptimConfig(lr=1e-2, warmup_steps=2), steps)
+    it = iter(batches)
+    for _ in range(steps):
+        for _ in range(accum):
+            (loss_fn(theirs, next(it)) / accum).backward()
+        torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_accumulating_two_halves_equals_one_full_batch():
+    full = data(3, 8)
+    halves = [(x[i:i + 4], y[i:i + 4]) for x, y in full for i in (0, 4)]
+    a, b = make_net(), make_net()
+    train_loop(gpudl_job(a, full, 3), TrainConfig(max_steps=3), TrainState(), Quiet())
+    train_loop(gpudl_job(b, halves, 3), TrainConfig(max_steps=3, grad_accum=2), TrainState(), Quiet())
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_a_non_finite_step_is_skipped_and_counted():
+    calls = {"n": 0}
+
+    def poisoned(model, batch):
+        calls["n"] += 1
+        loss = loss_fn(model, batch)
+        return loss * float("nan") if calls["n"] == 3 else loss
+
+    model = make_net()
+    job = gpudl_job(model, data(5, 4), 5, loss=poisoned)
+    state = TrainState()
+    seen = []
+
+    class Watch(Quiet):
+        def on_step(self, state, loss, grad_norm, lr):
+            seen.append(([p.clone() for p in model.parameters()], copy.deepcopy(job.optimizer.state_dict())))
+
+    train_loop(job, TrainConfig(max_steps=5), state, Watch())
+    assert state.nonfinite_total == 1 and state.nonfinite_in_a_row == 0 and state.step == 5
+    (p2, o2), (p3, o3) = seen[1], seen[2]
+    assert all(torch.equal(a, b) for a, b in zip(p2, p3))  # step 3 changed no weight...
+    first = next(iter(o2["state"]))
+    assert torch.equal(o2["state"][first]["exp_avg"], o3["state"][first]["exp_avg"])  # ...and no moment
+    assert o2["state"][first]["step"] == o3["state"][first]["step"]
+    assert not all(torch.equal(a, b) for a, b in zip(p3, seen[3][0]))  # step 4 trains again
+
+
+def test_too_many_non_finite_steps_in_a_row_stop_the_run():
+    job = gpudl_job(make_net(), data(10, 4), 10, loss=lambda m, b: loss_fn(m, b) * float("inf"))
+    with pytest.raises(NonFiniteError, match="3 steps in a row had NaN/Inf gradients"):
+        train_loop(job, TrainConfig(max_steps=10, max_nonfinite=3), TrainState(), Quiet())
+
+
+def test_evaluate_averages_in_eval_mode_and_restores_train_mode():
+    model = make_net()
+    val = data(3, 4, seed=9)
+    job = gpudl_job(model, [], 1, eval_fn=lambda m, b: {"loss": loss_fn(m, b), "training": torch.tensor(float(m.training))},
+                    eval_batches=lambda: iter(val))
+    out = evaluate(job)
+    expected = sum(loss_fn(model, b).item() for b in val) / 3
+    assert out["loss"] == pytest.approx(expected, rel=1e-6) and out["training"] == 0.0
+    assert model.training
+
+
+def test_loss_falls_on_learnable_data():
+    model = make_net()
+    events = Quiet()
+    x = torch.randn(64, 8)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    train_loop(gpudl_job(model, [(x, y)] * 60, 60), TrainConfig(max_steps=60), TrainState(), events)
+    assert events.losses[-1] < 0.5 * events.losses[0]
+
+
+def test_grad_scaler_policy_skips_and_backs_off_on_overflow():
+    model = make_net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    p = Precision("fp16-mixed", "cpu", None, torch.float32, torch.amp.GradScaler("cpu", init_scale=2.0**16))
+    before = [q.clone() for q in model.parameters()]
+    p.backward(loss_fn(model, data(1, 4)[0][0:2]) * float("inf"))
+    p.unscale(opt)
+    p.step(opt, finite=False)
+    assert p.scaler.get_scale() == 2.0**15
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert p.state_dict()["scale"] == 2.0**15
