@@ -16,7 +16,8 @@ from .errors import UserError
 
 def _common(debug_only: bool = False) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    # SUPPRESS: a subcommand must not reset a --debug given before it (gpudl --debug train).
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     if not debug_only:
         p.add_argument("--device", help="auto | cpu | cuda | rocm | mps | xpu | xla (default: auto)")
     return p
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.debug = getattr(args, "debug", False)
     console = Console()
     try:
         from . import commands

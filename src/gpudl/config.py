@@ -29,6 +29,8 @@ class RunConfig:
     dir: str = option("runs", "where run folders live")
     seed: int = option(1337, "seed for initialisation, data order and sampling", ge=0)
     device: str = option("auto", "auto | cpu | cuda | rocm | mps | xpu | xla | <type>[:index]")
+    keep_host_memory: bool = option(True, "on the CPU, keep freed memory for the next step instead of "
+                                          "returning it to the OS (fewer page faults)")
 
 
 @dataclass(kw_only=True)

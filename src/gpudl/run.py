@@ -107,11 +107,10 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
     2
     """
     console = console or Console()
-    session = start_session(cfg.run.device, console)
+    session = start_session(cfg.run.device, console, cfg.run.keep_host_memory)
     precision = make_precision(cfg.train.precision, session.device)
     spec, data = model_and_data(cfg, session.dp_rank, session.dp_world)
     run_dir = Path(resume) if resume is not None else new_run_dir(cfg)
-    (run_dir / "config.toml").write_text(cfg.to_toml())
     model, flops_per_sample = build_model(spec, data, session.device, precision, cfg)
     device = session.device.torch_device
     optimizer = make_optimizer(model, cfg.optim, device.type)
@@ -122,6 +121,7 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
     fingerprint = model_fingerprint(spec.name, dataclasses.asdict(spec.config), model)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, fingerprint)
     state = _restore(ckpt, job, model) if resume is not None else TrainState()
+    (run_dir / "config.toml").write_text(cfg.to_toml())  # only now: a refused resume changes nothing
     loader = DeviceLoader(data.train, device, start=state.batches, num_workers=cfg.data.num_workers)
     job.batches = loader
     _announce(console, session, precision, spec, data, model, state)

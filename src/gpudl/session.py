@@ -18,6 +18,7 @@ from .checkpoint import Checkpointer
 from .config import LogConfig, TrainConfig
 from .data import DeviceLoader
 from .device import DeviceInfo, detect
+from .host import keep_freed_memory
 from .metrics import Throughput, peak_memory_bytes, reset_peak_memory
 from .monitor import Monitor
 from .peak import measured_peak_flops, peak_key
@@ -39,10 +40,12 @@ class Session:
         return self.dp_rank == 0
 
 
-def start_session(device: str, console: Console) -> Session:
+def start_session(device: str, console: Console, keep_host_memory: bool = True) -> Session:
     """Pick the device and say so: every run prints `Using device: ...` first."""
     info = detect(device)
     console.print(f"Using device: {info.label}")
+    if info.type == "cpu" and keep_host_memory and keep_freed_memory():
+        console.print("Host memory: freed blocks are kept for the next step (glibc malloc tuned)")
     return Session(info)
 
 

@@ -1,0 +1,114 @@
+"""The gpudl command: smoke runs in real subprocesses, bad input through the same main()."""
+
+import json
+import shutil
+
+import pytest
+
+from conftest import TINY, run_cli
+from gpudl.checkpoint import complete_checkpoints
+from gpudl.cli import main
+
+SETS = [a for item in TINY for a in ("--set", item)]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    out = run_cli("train", *SETS, "--set", "run.name=r1", "--set", f"run.dir={root}/runs", cwd=root)
+    assert out.returncode == 0, out.stderr
+    return root, root / "runs" / "r1", out.stdout
+
+
+def test_train_prints_the_device_first_and_leaves_a_complete_run_folder(trained_run):
+    _, run, stdout = trained_run
+    assert stdout.splitlines()[0].startswith("Using device: cpu")
+    for name in ("config.toml", "metrics.jsonl", "metrics.csv", "summary.json", "sample.txt", "model.safetensors"):
+        assert (run / name).is_file(), name
+    assert (run / "loss.png").is_file() or (run / "loss.svg").is_file()
+    assert complete_checkpoints(run / "checkpoints")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["tokens_per_s"] > 0 and 0 < summary["mfu"] < 1
+    header = (run / "metrics.csv").read_text().splitlines()[0]
+    assert header.startswith("step,loss,lr")
+
+
+def test_generate_evaluate_export(trained_run):
+    root, run, _ = trained_run
+    out = run_cli("generate", str(run), "--prompt", "import ", "--tokens", "20", cwd=root)
+    assert out.returncode == 0 and out.stdout.startswith("import ")
+    out = run_cli("evaluate", "--json", "--batches", "2", cwd=root)  # the newest run under ./runs
+    result = json.loads(out.stdout)
+    assert result["step"] == 6 and result["bits_per_byte"] == pytest.approx(result["loss"] / 0.6931471805599453)
+    out = run_cli("export", str(run), "--out", str(root / "w.safetensors"), cwd=root)
+    assert out.returncode == 0 and (root / "w.safetensors").stat().st_size > 10_000
+
+
+def test_info_json_and_tree():
+    out = run_cli("info", "--json", "--no-probe")
+    data = json.loads(out.stdout)
+    assert data["present"][-1] == "cpu" and data["devices"][0]["compute_units"] >= 1
+    out = run_cli("info", "--no-probe")
+    assert out.stdout.startswith("Using device:") and "cores" in out.stdout
+
+
+def error_of(capsys, *argv):
+    """Run gpudl in-process; return (exit status, stderr) and check it is one line with no traceback."""
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return code, err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--config", "missing.toml"], "not found"),
+    (["--set", "train.max_step=3"], 'did you mean "max_steps"'),
+    (["--set", "train.batch_size=abc"], "train.batch_size must be int, got 'abc'"),
+    (["--set", "train.batch_size=-4"], "train.batch_size must be >= 1, got -4"),
+    (["--set", "data.path=/no/such/place"], "does not exist"),
+    (["--device", "cuda"], "not present on this machine; present: cpu"),
+    (["--precision", "fp64"], "train.precision must be"),
+    (["--set", "model.name=gpt5"], "unknown model 'gpt5'"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv, words):
+    monkeypatch.chdir(tmp_path)
+    code, err = error_of(capsys, "train", *argv)
+    assert code == 2 and words in err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_malformed_config_file_and_empty_data_folder(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.toml").write_text("[train\n")
+    assert error_of(capsys, "train", "--config", "bad.toml")[0] == 2
+    (tmp_path / "empty").mkdir()
+    code, err = error_of(capsys, "train", "--set", "data.path=empty")
+    assert code == 2 and "holds no files" in err
+
+
+def test_resume_refusals_leave_the_run_untouched(capsys, trained_run, tmp_path):
+    _, run, _ = trained_run
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    code, err = error_of(capsys, "train", "--resume", str(copy), "--set", "model.n_layer=3",
+                         "--set", "train.max_steps=8")
+    assert code == 2 and "holds another model" in err
+    shard = next(complete_checkpoints(copy / "checkpoints")[-1].glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+    before[shard] = shard.read_bytes()
+    code, err = error_of(capsys, "train", "--resume", str(copy), "--set", "train.max_steps=8")
+    assert code == 2 and "is damaged" in err
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+    code, err = error_of(capsys, "train", "--resume", str(copy), "--config", "gpt-tiny")
+    assert code == 2 and "drop --config" in err
+
+
+def test_generate_needs_a_gpt_run(capsys, tmp_path):
+    code, err = error_of(capsys, "generate", str(tmp_path))
+    assert code == 2 and "not a gpudl run folder" in err
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    out = run_cli("--debug", "train", "--set", "train.batch_size=-4", cwd=tmp_path)
+    assert out.returncode != 0 and "Traceback" in out.stderr and "UserError" in out.stderr
