@@ -24,7 +24,8 @@ def gpt_param_formula(c: GPTConfig) -> int:
     """By hand: embeddings + per block (4 attention matrices, 2 MLP matrices, 2 norms) + final norm."""
     d, f = c.d_model, c.mlp_ratio * c.d_model
     block = 4 * d * d + 2 * d * f + 2 * d
-    return c.vocab_size * d + c.block_size * d + c.n_layer * block + d
+    head = 0 if c.tie_embeddings else c.vocab_size * d
+    return c.vocab_size * d + c.block_size * d + c.n_layer * block + d + head
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "gpt-1b"])
@@ -33,6 +34,12 @@ def test_gpt_presets_build_on_meta_with_the_formula_count(name):
     m = models.build_meta(spec)
     assert all(p.device.type == "meta" for p in m.parameters())
     assert n_params(m) == gpt_param_formula(spec.config)
+
+
+def test_untied_gpt_has_its_own_head():
+    spec = models.resolve("gpt-tiny", {"tie_embeddings": False})
+    m = models.build(spec, torch.device("cpu"))
+    assert m.lm_head.weight is not m.wte.weight and n_params(m) == gpt_param_formula(spec.config)
 
 
 def test_gpt2_124m_is_gpt2_small():
@@ -45,7 +52,7 @@ def test_build_materialises_on_the_device_with_tied_weights_and_gpt2_init():
     m = models.build(spec, torch.device("cpu"), seed=1)
     assert m.lm_head.weight is m.wte.weight
     assert abs(m.wte.weight.std().item() - 0.02) < 0.002
-    assert torch.equal(m.blocks[0].norm1.weight, torch.ones(128))
+    assert torch.equal(m.blocks["0"].norm1.weight, torch.ones(128))
     again = models.build(spec, torch.device("cpu"), seed=1)
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), again.parameters()))
 

@@ -31,7 +31,7 @@ def test_activation_checkpointing_really_recomputes():
     spec = models.resolve("gpt-tiny", {"n_layer": 2})
     model = apply_activation_checkpointing(models.build(spec, torch.device("cpu"), seed=0))
     calls = []
-    model.blocks[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+    model.blocks["0"].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
     x = torch.randint(0, 256, (2, 16))
     model(x, x).backward()
     assert len(calls) == 2  # once in forward, once again during backward

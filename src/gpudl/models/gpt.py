@@ -32,6 +32,8 @@ class GPTConfig:
     dropout: float = option(0.0, "dropout probability", ge=0.0, le=1.0)
     bias: bool = option(False, "biases in linear layers and norms")
     mlp_ratio: int = option(4, "hidden width of the MLP as a multiple of d_model", ge=1)
+    tie_embeddings: bool = option(True, "share the token embedding with the output head "
+                                        "(pipeline parallelism needs false: they live on different stages)")
 
     def __post_init__(self):
         if self.d_model % self.n_head:
@@ -86,7 +88,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token ids (B, T) -> logits (B, T, V); with targets, the mean cross-entropy instead."""
+    """Token ids (B, T) -> logits (B, T, V); with targets, the mean cross-entropy instead.
+
+    Blocks sit in a ModuleDict keyed by layer number, so a pipeline stage that keeps only some
+    of them (and drops the embeddings or the head) still names every parameter as the whole
+    model does: checkpoints move between pipeline sizes unchanged.
+    """
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -94,14 +101,15 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
         # Moving a module off the meta device gives each parameter new storage; tie again after.
-        self.lm_head.weight = self.wte.weight
+        if self.cfg.tie_embeddings and self.wte is not None and self.lm_head is not None:
+            self.lm_head.weight = self.wte.weight
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -115,30 +123,30 @@ class GPT(nn.Module):
                 nn.init.normal_(m.weight, 0.0, std)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
-        for block in self.blocks:
+        for block in self.blocks.values():
             for proj in (block.attn.wo, block.mlp.proj):
                 nn.init.normal_(proj.weight, 0.0, std / math.sqrt(2 * self.cfg.n_layer))
 
     def activation_checkpoint_units(self) -> list[nn.Module]:
-        return list(self.blocks)
+        return list(self.blocks.values())
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        t = idx.shape[1]
-        if t > self.cfg.block_size:
-            raise ValueError(f"sequence of {t} tokens is longer than block_size={self.cfg.block_size}")
-        pos = torch.arange(t, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
-        for block in self.blocks:
+        """A pipeline stage without embeddings takes hidden states (B, T, C) instead of ids."""
+        if self.wte is not None:
+            t = idx.shape[1]
+            if t > self.cfg.block_size:
+                raise ValueError(f"sequence of {t} tokens is longer than block_size={self.cfg.block_size}")
+            x = self.drop(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)))  # (B, T, C)
+        else:
+            x = idx
+        for block in self.blocks.values():
             x = block(x)
+        if self.lm_head is None:
+            return x  # hidden states for the next pipeline stage
         logits = self.lm_head(self.norm(x))  # (B, T, V)
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameters (shared ones once); without the position embedding when `non_embedding`."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if non_embedding else n
 
 
 def formula_flops_per_token(cfg: GPTConfig, n_params: int) -> int:
