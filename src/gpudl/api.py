@@ -18,14 +18,15 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from .config import LogConfig, OptimConfig, TrainConfig
+from .config import LogConfig, OptimConfig, RunConfig, TrainConfig
 from .data import DeviceLoader
 from .data.datasets import as_batch_source
 from .distributed.parallelize import compile_wanted, parallelize
 from .metrics import count_training_flops
 from .optim import make_optimizer, make_scheduler
 from .precision import make_precision
-from .session import Execution, execute, start_session
+from .execute import Execution, execute
+from .session import start_session
 from .train import Job, TrainState
 
 
@@ -75,7 +76,7 @@ def fit(model: nn.Module, train_data, loss: Callable | None = None, *, max_steps
     Metrics go to the console, and to `run_dir` (JSONL, CSV, plot) when given.
     """
     console = Console(quiet=quiet)
-    session = start_session(device, console)
+    session = start_session(RunConfig(device=device), console)
     info = session.device
     prec = make_precision(precision, info)
     train_cfg = TrainConfig(max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, precision=prec.name,
@@ -88,7 +89,7 @@ def fit(model: nn.Module, train_data, loss: Callable | None = None, *, max_steps
     loss_fn = _loss_fn(loss)
     flops = _count_flops(model, loss_fn, source, info.torch_device) // batch_size
     model = parallelize(model, activation_checkpointing=activation_checkpointing,
-                        compile=compile_wanted(compile, info.type))
+                        compile=compile_wanted(compile, info.type)).model
     optimizer = make_optimizer(model, optim_cfg, info.type)
     loader = DeviceLoader(source, info.torch_device)
     job = Job(model=model, loss_fn=loss_fn, optimizer=optimizer, precision=prec, batches=loader,

@@ -87,6 +87,23 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class ParallelConfig:
+    """How the processes of a job share the work. The degrees multiply to the number of processes."""
+
+    dp_replicate: int | Literal["auto"] = option("auto", "data-parallel replicas (DDP; HSDP groups with dp_shard)", ge=1)
+    dp_shard: int | Literal["auto"] = option("auto", "data-parallel shards (FSDP2)", ge=1)
+    tp: int = option(1, "tensor-parallel degree (GPT models)", ge=1)
+    pp: int = option(1, "pipeline stages (GPT models)", ge=1)
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = option("1f1b", "pipeline schedule")
+    pp_microbatches: int = option(4, "micro-batches each batch is split into for the pipeline", ge=1)
+    pp_stages_per_rank: int = option(1, "model chunks per pipeline rank (interleaved-1f1b needs >= 2)", ge=1)
+    fsdp_reshard_after_forward: bool = option(True, "free gathered parameters after forward (less memory)")
+    fsdp_cpu_offload: bool = option(False, "keep sharded parameters and optimizer state in host memory")
+    tp_sequence_parallel: bool = option(False, "shard norms and dropout along the sequence too")
+    timeout_s: int = option(600, "seconds a collective may wait before the job fails, naming the late rank", ge=10)
+
+
+@dataclass(kw_only=True)
 class LogConfig:
     tensorboard: bool | Literal["auto"] = option("auto", "TensorBoard events; auto: when installed")
     plot: bool = option(True, "loss curve at the end (PNG with matplotlib, SVG without)")
@@ -109,6 +126,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log: LogConfig = field(default_factory=LogConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
 

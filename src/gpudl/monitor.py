@@ -69,10 +69,11 @@ class Monitor:
 
     def on_eval(self, state: TrainState, metrics: dict[str, float]) -> None:
         self._excluded += time.perf_counter() - self._step_end  # evaluation ran since the step ended
-        record = {"kind": "eval", "step": state.step, **metrics}
+        means = self.reduce(torch.tensor(list(metrics.values()))).tolist()  # each rank saw its own share
+        record = {"kind": "eval", "step": state.step, **dict(zip(metrics, means))}
         self._emit(record)
         if self.progress is not None:
-            shown = " · ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+            shown = " · ".join(f"{k} {v:.4f}" for k, v in record.items() if k not in ("kind", "step"))
             self.progress.print(f"step {state.step:>6} · validation {shown}")
 
     def after_step(self, state: TrainState) -> None:

@@ -7,29 +7,26 @@ data loader -> training loop -> metrics -> checkpoints -> export -> sample.
 from __future__ import annotations
 
 import dataclasses
-import json
-import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
-import torch
 import torch.nn.functional as F
 from rich.console import Console
 from torch import nn
 
 from . import models
-from .checkpoint import Checkpointer, export_safetensors, model_fingerprint
+from .checkpoint import Checkpointer, model_fingerprint
 from .config import Config
 from .data import Data, DeviceLoader, build_data, first_batches
-from .device import DeviceInfo
-from .distributed.parallelize import compile_wanted, parallelize
+from .distributed.parallelize import Parallelized, compile_wanted, parallelize
+from .execute import Execution, execute
 from .errors import UserError
 from .metrics import count_training_flops, meta_batch
 from .optim import make_optimizer, make_scheduler
 from .precision import Precision, make_precision
-from .session import Execution, Session, execute, start_session
-from .train import Job, TrainState, train_loop
+from .rundir import after_training, resolve_run_dir
+from .session import Session, plan_parallel, start_session
+from .train import Job, TrainState, standard_micro_step
 
 
 @dataclass
@@ -54,16 +51,6 @@ def model_and_data(cfg: Config, rank: int = 0, world: int = 1) -> tuple[models.M
     return spec, data
 
 
-def new_run_dir(cfg: Config) -> Path:
-    name = cfg.run.name or f"{cfg.model.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    run_dir = Path(cfg.run.dir) / name
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise UserError(f"run folder {run_dir} already holds a run: continue it with --resume {run_dir}, "
-                        f"or choose another --set run.name=...")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
-
-
 def eval_fn_for(spec: models.ModelSpec):
     """Evaluation metrics: loss for every model, accuracy too for classifiers."""
     if spec.is_language_model:
@@ -76,30 +63,45 @@ def eval_fn_for(spec: models.ModelSpec):
     return classify
 
 
-def build_model(spec: models.ModelSpec, data: Data, info: DeviceInfo, precision: Precision,
-                cfg: Config) -> tuple[nn.Module, int]:
-    """(model on the device, training FLOPs per sample counted on the meta device)."""
+def build_model(spec: models.ModelSpec, data: Data, session: Session, precision: Precision,
+                cfg: Config) -> tuple[Parallelized, int]:
+    """(model placed and parallelized for this job, training FLOPs per sample counted on the meta device)."""
     meta = models.build_meta(spec)
     sample = meta_batch(data.train.batch(0))
     flops = count_training_flops(meta, sample, models.loss_for(spec)) // cfg.train.batch_size
+    info = session.device
     model = models.build(spec, info.torch_device, precision.param_dtype, seed=cfg.run.seed)
-    model = parallelize(model, activation_checkpointing=cfg.train.activation_checkpointing,
-                        compile=compile_wanted(cfg.train.compile, info.type))
-    return model, flops
+    placed = parallelize(model, activation_checkpointing=cfg.train.activation_checkpointing,
+                         compile=compile_wanted(cfg.train.compile, info.type), dims=session.dims, mesh=session.mesh,
+                         precision_name=precision.name, cfg=cfg.parallel, device=info.torch_device)
+    return placed, flops
 
 
-def _restore(ckpt: Checkpointer, job: Job, model: nn.Module) -> TrainState:
+def _restore(ckpt: Checkpointer, job: Job) -> TrainState:
     path = ckpt.latest()
     if path is None:
         raise UserError(f"nothing to resume: {ckpt.folder} holds no complete checkpoint; start a new run instead")
-    extra = ckpt.load(path, model, job.optimizer)
+    extra = ckpt.load(path, job.model, job.optimizer)
     job.scheduler.load_state_dict(extra["scheduler"])
     job.precision.load_state_dict(extra["scaler"])
     return TrainState(**extra["train_state"])
 
 
+def _make_job(spec, placed: Parallelized, precision: Precision, data: Data, cfg: Config, device) -> Job:
+    optimizer = make_optimizer(placed.model, cfg.optim, device.type)
+    return Job(model=placed.model, loss_fn=models.loss_for(spec), optimizer=optimizer,
+               scheduler=make_scheduler(optimizer, cfg.optim, cfg.train.max_steps), precision=precision,
+               batches=iter(()), eval_fn=placed.eval_fn or eval_fn_for(spec),
+               eval_batches=(lambda: first_batches(data.val, cfg.train.eval_batches, device)) if data.val else None,
+               grad_sync=placed.grad_sync, micro_step=placed.micro_step or standard_micro_step,
+               clip_norm=placed.clip_norm)
+
+
 def train(cfg: Config, resume: str | Path | None = None, console: Console | None = None) -> RunResult:
     """Train the model a config describes; `resume` continues the run in that folder.
+
+    `resume="auto"` continues run `run.name` if it has a checkpoint and starts it otherwise
+    (what a restarted multi-process job does).
 
     >>> from gpudl.config import load_config
     >>> cfg = load_config(None, ["train.max_steps=2", "run.dir=/tmp/gpudl-doctest", "sample.tokens=0"])
@@ -107,60 +109,40 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
     2
     """
     console = console or Console()
-    session = start_session(cfg.run.device, console, cfg.run.keep_host_memory)
+    session = start_session(cfg.run, console, cfg.parallel.timeout_s)
+    if not session.is_writer:
+        console = Console(quiet=True)
     precision = make_precision(cfg.train.precision, session.device)
-    spec, data = model_and_data(cfg, session.dp_rank, session.dp_world)
-    run_dir = Path(resume) if resume is not None else new_run_dir(cfg)
-    model, flops_per_sample = build_model(spec, data, session.device, precision, cfg)
+    meta = models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides))
+    plan_parallel(session, cfg.parallel, sum(p.numel() for p in meta.parameters()))
+    spec, data = model_and_data(cfg, *session.dp)
+    run_dir, resuming = resolve_run_dir(cfg, resume, session)
+    placed, flops_per_sample = build_model(spec, data, session, precision, cfg)
     device = session.device.torch_device
-    optimizer = make_optimizer(model, cfg.optim, device.type)
-    job = Job(model=model, loss_fn=models.loss_for(spec), optimizer=optimizer,
-              scheduler=make_scheduler(optimizer, cfg.optim, cfg.train.max_steps), precision=precision,
-              batches=iter(()), eval_fn=eval_fn_for(spec),
-              eval_batches=(lambda: first_batches(data.val, cfg.train.eval_batches, device)) if data.val else None)
-    fingerprint = model_fingerprint(spec.name, dataclasses.asdict(spec.config), model)
-    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, fingerprint)
-    state = _restore(ckpt, job, model) if resume is not None else TrainState()
-    (run_dir / "config.toml").write_text(cfg.to_toml())  # only now: a refused resume changes nothing
+    job = _make_job(spec, placed, precision, data, cfg, device)
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, model_fingerprint(spec.name, spec.config),
+                        is_writer=session.is_writer)
+    state = _restore(ckpt, job) if resuming else TrainState()
+    if session.is_writer:
+        (run_dir / "config.toml").write_text(cfg.to_toml())  # only now: a refused resume changes nothing
     loader = DeviceLoader(data.train, device, start=state.batches, num_workers=cfg.data.num_workers)
     job.batches = loader
-    _announce(console, session, precision, spec, data, model, state)
+    _announce(console, session, precision, spec, data, job.model, state)
     ex = Execution(session=session, job=job, train=cfg.train, log=cfg.log, state=state, loader=loader,
                    model_name=spec.name, unit=data.unit, units_per_sample=data.units_per_sample,
                    flops_per_sample=flops_per_sample, run_dir=run_dir, checkpointer=ckpt,
                    save_every=cfg.checkpoint.every)
     result = execute(ex, console)
-    _after_training(cfg, spec, model, run_dir, result.summary, console)
-    return RunResult(run_dir, result.summary, result.records, model)
+    after_training(cfg, spec, job.model, ckpt, session, run_dir, console)
+    return RunResult(run_dir, result.summary, result.records, job.model)
 
 
 def _announce(console, session: Session, precision: Precision, spec, data: Data, model, state) -> None:
-    n = sum(p.numel() for p in model.parameters())
+    n = sum(p.numel() for p in models.build_meta(spec).parameters())
     console.print(f"Precision: {precision.name} ({precision.reason})")
     console.print(f"Model: {spec.name}: {models.describe(spec)}; {n / 1e6:.2f}M parameters")
+    if session.world > 1:
+        console.print(f"Parallel: {session.dims.describe()} over {session.world} processes")
     console.print(f"Data: {data.description}")
     if state.step:
         console.print(f"Resuming at step {state.step} (batch {state.batches})")
-
-
-def _after_training(cfg: Config, spec, model: nn.Module, run_dir: Path, summary: dict, console: Console) -> None:
-    if cfg.checkpoint.export and session_is_writer():
-        try:
-            path = export_safetensors(model, run_dir / "model.safetensors",
-                                      {"gpudl_model": spec.name, "config": json.dumps(dataclasses.asdict(spec.config))})
-            console.print(f"Weights: {path}")
-        except UserError as e:
-            console.print(f"Weights not exported: {e}", markup=False)
-    if spec.is_language_model and cfg.sample.tokens and spec.config.vocab_size >= 256:
-        from .generate import sample_text
-
-        t0 = time.perf_counter()
-        text = sample_text(model, cfg.sample.prompt, cfg.sample.tokens, cfg.sample.temperature,
-                           cfg.sample.top_k, seed=cfg.run.seed)
-        (run_dir / "sample.txt").write_text(text)
-        console.print(f"Sample ({time.perf_counter() - t0:.1f}s), also in {run_dir / 'sample.txt'}:")
-        console.print(text, markup=False, highlight=False)
-
-
-def session_is_writer() -> bool:
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0

@@ -18,6 +18,7 @@ from torch import nn
 
 from .config import TrainConfig
 from .errors import UserError
+from .distributed.parallelize import clip_grad_norm
 from .precision import Precision
 
 Batch = tuple[torch.Tensor, ...]
@@ -31,6 +32,14 @@ class TrainState:
     batches: int = 0              # micro-batches consumed: the data position
     nonfinite_in_a_row: int = 0
     nonfinite_total: int = 0
+
+
+def standard_micro_step(job: Job, batch: Batch, scale: float) -> torch.Tensor:
+    """Forward under the precision's autocast, backward of the loss times `scale`; the detached loss."""
+    with job.precision.autocast():
+        loss = job.loss_fn(job.model, batch)
+    job.precision.backward(loss * scale if scale != 1.0 else loss)
+    return loss.detach()
 
 
 @dataclass
@@ -47,6 +56,10 @@ class Job:
     eval_batches: Callable[[], Iterable[Batch]] | None = None
     # Context for micro-batch backward: DDP/FSDP skip their gradient sync unless it is the last one.
     grad_sync: Callable[[bool], AbstractContextManager] = field(default=lambda last: nullcontext())
+    # Forward + backward of one micro-batch (a pipeline brings its own schedule-driven one).
+    micro_step: Callable[[Job, Batch, float], torch.Tensor] = standard_micro_step
+    # Global gradient norm over this rank's parameters, clipping to max_norm when > 0.
+    clip_norm: Callable[[list[torch.Tensor], float], torch.Tensor] = clip_grad_norm
 
 
 class Events(Protocol):
@@ -63,22 +76,20 @@ class NonFiniteError(UserError):
 
 def forward_backward(job: Job, grad_accum: int) -> torch.Tensor:
     """Accumulate gradients over `grad_accum` micro-batches; returns their mean loss (on device)."""
-    total = torch.zeros((), device=next(job.model.parameters()).device)
+    total = None
     for micro in range(grad_accum):
         batch = next(job.batches)
         with job.grad_sync(micro == grad_accum - 1):
-            with job.precision.autocast():
-                loss = job.loss_fn(job.model, batch) / grad_accum
-            job.precision.backward(loss)
-        total += loss.detach()
-    return total
+            loss = job.micro_step(job, batch, 1.0 / grad_accum)
+        total = loss if total is None else total + loss
+    return total / grad_accum if grad_accum > 1 else total
 
 
 def clip_gradients(job: Job, max_norm: float) -> torch.Tensor:
     """Unscale (fp16), then clip to `max_norm` (0: measure only); returns the global grad norm."""
     job.precision.unscale(job.optimizer)
     params = [p for g in job.optimizer.param_groups for p in g["params"]]
-    return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    return job.clip_norm(params, max_norm)
 
 
 def check_finite(grad_norm: torch.Tensor, state: TrainState, limit: int) -> bool:

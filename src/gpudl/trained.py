@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +47,7 @@ def load_trained(run_dir: Path, device: str = "auto") -> Trained:
     info = detect(device)
     spec, data = model_and_data(cfg)
     model = models.build(spec, info.torch_device)
-    fp = model_fingerprint(spec.name, dataclasses.asdict(spec.config), model)
+    fp = model_fingerprint(spec.name, spec.config)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, fp)
     latest = ckpt.latest()
     if latest is None:

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -59,8 +61,7 @@ def test_compile_auto_is_off_on_the_cpu():
 def test_compiled_model_trains_to_the_same_loss():
     torch.manual_seed(0)
     eager = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    compiled = parallelize(torch.nn.Sequential(*[m for m in __import__("copy").deepcopy(eager)]),
-                           activation_checkpointing=False, compile=True)
+    compiled = parallelize(copy.deepcopy(eager), activation_checkpointing=False, compile=True).model
     assert [n for n, _ in eager.named_parameters()] == [n for n, _ in compiled.named_parameters()]
     x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
     a = F.cross_entropy(eager(x), y)

@@ -1,21 +1,56 @@
 """The one function that prepares a model for training, in one fixed order.
 
-Order (torchtitan's): tensor parallelism -> activation checkpointing -> compile -> FSDP/DDP.
-Each step is a plain function; `parallelize` is the only place that knows the order.
+Order (torchtitan's): pipeline split -> tensor parallelism -> activation checkpointing ->
+compile -> FSDP or DDP. Each step is a plain function in its own module; `parallelize` is the
+only place that knows the order.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 
+import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from ..config import ParallelConfig
 from ..errors import UserError
+from .mesh import ParallelDims
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """The global gradient norm (a plain tensor, also for sharded gradients); clip to `max_norm` if > 0."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if isinstance(norm, DTensor):  # sharded gradients (FSDP, TP): reduce the partial norms to the full one
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+@dataclass
+class Parallelized:
+    """A model ready for the loop, and the strategy-specific pieces the loop calls."""
+
+    model: nn.Module
+    # Context around a micro-batch's forward and backward; `last` is the step's last micro-batch.
+    grad_sync: Callable[[bool], AbstractContextManager] = field(default=lambda last: nullcontext())
+    # Global gradient norm (and clipping) over the parameters this rank holds.
+    clip_norm: Callable[[list[torch.Tensor], float], torch.Tensor] = clip_grad_norm
+    # A pipeline runs forward and backward itself: (job, batch, scale) -> detached loss.
+    micro_step: Callable | None = None
+    # A pipeline evaluates through its schedule: (model, batch) -> {"loss": ...}.
+    eval_fn: Callable | None = None
 
 
 def checkpoint_units(model: nn.Module) -> list[nn.Module]:
-    """The blocks whose activations are recomputed: the model's own list, else its largest ModuleList."""
+    """The blocks of a model: its own list, else its largest ModuleList."""
     if hasattr(model, "activation_checkpoint_units"):
         return list(model.activation_checkpoint_units())
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
@@ -55,13 +90,36 @@ def _triton_present() -> bool:
     return find_spec("triton") is not None
 
 
-def parallelize(model: nn.Module, *, activation_checkpointing: bool, compile: bool) -> nn.Module:
-    """Apply, in order: activation checkpointing, compile."""
+def _data_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, precision_name: str,
+                   cfg: ParallelConfig, device: torch.device) -> Parallelized:
+    if dims.dp_shard > 1:
+        from .fsdp import apply_fsdp, fsdp_grad_sync
+
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        model = apply_fsdp(model, checkpoint_units(model), dp_mesh, precision_name,
+                           cfg.fsdp_reshard_after_forward, cfg.fsdp_cpu_offload)
+        return Parallelized(model, grad_sync=fsdp_grad_sync(model))
+    if dims.dp_replicate > 1:
+        from .ddp import apply_ddp, ddp_grad_sync
+
+        model = apply_ddp(model, mesh["dp_replicate"], device)
+        return Parallelized(model, grad_sync=ddp_grad_sync(model))
+    return Parallelized(model)
+
+
+def parallelize(model: nn.Module, *, activation_checkpointing: bool, compile: bool,
+                dims: ParallelDims | None = None, mesh: DeviceMesh | None = None, precision_name: str = "fp32",
+                cfg: ParallelConfig | None = None, device: torch.device | None = None) -> Parallelized:
+    """Apply, in order: tensor parallelism, activation checkpointing, compile, FSDP or DDP."""
+    cfg = cfg or ParallelConfig()
+    if dims is not None and dims.tp > 1:
+        from .tensor import apply_tp
+
+        apply_tp(model, mesh["tp"], sequence_parallel=cfg.tp_sequence_parallel)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model)
-    return model
-
-
-__all__ = ["parallelize", "apply_activation_checkpointing", "apply_compile", "compile_wanted"]
+    if dims is None or mesh is None or dims.dp == 1:
+        return Parallelized(model)
+    return _data_parallel(model, dims, mesh, precision_name, cfg, device or torch.device("cpu"))

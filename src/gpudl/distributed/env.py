@@ -1,0 +1,85 @@
+"""Where this process stands in a job, read once from what the launcher set, and the process group.
+
+torchrun (and `gpudl train --nproc-per-node`) sets RANK, WORLD_SIZE, LOCAL_RANK, ...;
+SLURM's `srun` sets SLURM_PROCID, SLURM_NTASKS, ... . `read_env` is the one place that reads
+them; everything else gets a `DistEnv`.
+
+>>> read_env({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+DistEnv(rank=1, world_size=4, local_rank=1, local_world_size=2, restart_count=0)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UserError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    restart_count: int = 0     # how often torchrun has restarted the group (0: first attempt)
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """'gpu[03-05,07],cpu1' -> 'gpu03': the first host of a SLURM node list."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not m:
+        return nodelist
+    prefix, ranges = m.groups()
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> DistEnv | None:
+    """The job this process belongs to, or None when it runs alone."""
+    env = os.environ if environ is None else environ
+    if "WORLD_SIZE" in env and "RANK" in env:
+        return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                       int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+                       int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", 1)) > 1:
+        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+                       int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]), 0)
+    return None
+
+
+def slurm_rendezvous(environ: Mapping[str, str]) -> tuple[str, int]:
+    """(MASTER_ADDR, MASTER_PORT) for a job started by srun without torchrun."""
+    host = environ.get("MASTER_ADDR") or _first_slurm_host(environ.get("SLURM_JOB_NODELIST", "localhost"))
+    port = int(environ.get("MASTER_PORT") or 20000 + int(environ.get("SLURM_JOB_ID", 0)) % 20000)
+    return host, port
+
+
+def init_process_group(env: DistEnv, backend: str, timeout_s: int, init_method: str | None = None) -> None:
+    """Join the job's process group (a no-op when one is already initialised)."""
+    if dist.is_initialized():
+        return
+    if init_method is None and "MASTER_ADDR" not in os.environ:
+        host, port = slurm_rendezvous(os.environ)
+        init_method = f"tcp://{host}:{port}"
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"rank {env.rank} of {env.world_size} could not join the job's process group ({e}): "
+                        f"check that every node can reach the rendezvous endpoint") from None
+
+
+def check_devices(env: DistEnv, device_type: str) -> None:
+    """One accelerator per local process: more processes than devices is a mistake, said early."""
+    if device_type == "cpu":
+        return
+    count = torch.accelerator.device_count()
+    if env.local_world_size > count:
+        raise UserError(f"{env.local_world_size} processes per node but only {count} {device_type} device(s): "
+                        f"use --nproc-per-node {count}")

@@ -1,0 +1,45 @@
+"""Data parallelism by sharding: FSDP2 `fully_shard`, per block and then the root (HSDP on a 2-D mesh)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+
+def mixed_precision_policy(precision_name: str) -> MixedPrecisionPolicy:
+    """Gather parameters in the compute dtype; reduce gradients in fp32 (bf16 sums lose bits)."""
+    param = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision_name)
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=torch.float32 if param is not None else None)
+
+
+def apply_fsdp(model: nn.Module, units: list[nn.Module], dp_mesh: DeviceMesh, precision_name: str,
+               reshard_after_forward: bool, cpu_offload: bool) -> nn.Module:
+    """Shard each unit (a transformer or residual block) and the root over `dp_mesh`.
+
+    A 1-D mesh is FSDP; a 2-D (dp_replicate, dp_shard) mesh is HSDP: sharded within a group,
+    replicated across groups.
+    """
+    options = {"mesh": dp_mesh, "mp_policy": mixed_precision_policy(precision_name),
+               "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
+    for i, unit in enumerate(units):
+        # The last unit's parameters are needed again at once by backward: keep them gathered.
+        fully_shard(unit, reshard_after_forward=reshard_after_forward and i < len(units) - 1, **options)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
+    return model
+
+
+def fsdp_grad_sync(model: nn.Module):
+    """Context for a micro-batch: reduce-scatter gradients only on the last micro-batch of a step."""
+
+    @contextmanager
+    def sync(last: bool):
+        model.set_requires_gradient_sync(last)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    return sync

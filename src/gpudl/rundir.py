@@ -1,0 +1,114 @@
+"""The run folder: which one a run writes to, and what it leaves there after training."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from torch import nn
+
+from . import models
+from .checkpoint import Checkpointer, complete_checkpoints, export_safetensors
+from .config import Config
+from .errors import UserError
+from .session import Session
+
+# A run samples from the whole model on rank 0's device only if it takes at most this share of it.
+SAMPLE_MEMORY_SHARE = 0.25
+
+
+def _agree(session: Session, value):
+    """Rank 0's `value`, on every rank."""
+    if session.world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def resolve_run_dir(cfg: Config, resume: str | Path | None, session: Session) -> tuple[Path, bool]:
+    """(the run folder, whether to resume from its newest checkpoint), the same on every rank.
+
+    resume=None: a new folder (it must not hold a run); a path: that run; "auto": run.name,
+    resumed when it has a checkpoint, else started (a restarted job's first attempt may have
+    died before its first checkpoint).
+    """
+    if resume == "auto":
+        if not cfg.run.name:
+            raise UserError("--resume auto needs a run name that every attempt shares: set --set run.name=...")
+        run_dir = Path(cfg.run.dir) / cfg.run.name
+        resuming = bool(complete_checkpoints(run_dir / "checkpoints"))
+    elif resume is not None:
+        run_dir, resuming = Path(resume), True
+    else:
+        run_dir, resuming = _new_run_dir(cfg, session), False
+    if session.is_writer:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    if session.world > 1:
+        dist.barrier()
+    return run_dir, resuming
+
+
+def _new_run_dir(cfg: Config, session: Session) -> Path:
+    name = _agree(session, cfg.run.name or f"{cfg.model.name}-{datetime.now():%Y%m%d-%H%M%S}")
+    run_dir = Path(cfg.run.dir) / name
+    taken = _agree(session, run_dir.exists() and any(run_dir.iterdir()))
+    if taken:
+        raise UserError(f"run folder {run_dir} already holds a run: continue it with --resume {run_dir}, "
+                        f"or choose another --set run.name=...")
+    return run_dir
+
+
+def _full_model_on(spec: models.ModelSpec, ckpt: Checkpointer, device: torch.device) -> nn.Module:
+    """The whole model, in this process alone, with the newest checkpoint's weights."""
+    model = models.build(spec, device)
+    ckpt.load(ckpt.latest(), model, optimizer=None, no_dist=True)
+    return model.eval()
+
+
+def after_training(cfg: Config, spec: models.ModelSpec, model: nn.Module, ckpt: Checkpointer, session: Session,
+                   run_dir: Path, console: Console) -> None:
+    """Export the weights and, for a byte-level GPT, write a sample: on rank 0 only."""
+    if session.world > 1:
+        dist.barrier()  # the final checkpoint is complete on every rank
+    if not session.is_writer:
+        return
+    wants_sample = spec.is_language_model and cfg.sample.tokens and spec.config.vocab_size >= 256
+    if not (cfg.checkpoint.export or wants_sample):
+        return
+    if session.world > 1:  # the weights are spread over ranks: read the whole model back from the checkpoint
+        model = _full_model_on(spec, ckpt, torch.device("cpu"))
+    if cfg.checkpoint.export:
+        _export(model, spec, run_dir, console)
+    if wants_sample:
+        _sample(model, spec, cfg, session, run_dir, console)
+
+
+def _export(model: nn.Module, spec: models.ModelSpec, run_dir: Path, console: Console) -> None:
+    try:
+        path = export_safetensors(model, run_dir / "model.safetensors",
+                                  {"gpudl_model": spec.name, "config": json.dumps(dataclasses.asdict(spec.config))})
+        console.print(f"Weights: {path}")
+    except UserError as e:
+        console.print(f"Weights not exported: {e}", markup=False)
+
+
+def _sample(model: nn.Module, spec, cfg: Config, session: Session, run_dir: Path, console: Console) -> None:
+    from .generate import sample_text
+
+    device = session.device
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    if device.memory_bytes and size <= SAMPLE_MEMORY_SHARE * device.memory_bytes:
+        model = model.to(device.torch_device)
+    t0 = time.perf_counter()
+    text = sample_text(model, cfg.sample.prompt, cfg.sample.tokens, cfg.sample.temperature, cfg.sample.top_k,
+                       seed=cfg.run.seed)
+    (run_dir / "sample.txt").write_text(text)
+    console.print(f"Sample ({time.perf_counter() - t0:.1f}s), also in {run_dir / 'sample.txt'}:")
+    console.print(text, markup=False, highlight=False)

@@ -1,0 +1,24 @@
+"""One rank of a distributed test: join the group, run the body, save its result."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bodies  # noqa: E402  (the bodies live next to this file)
+
+name, kwargs, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+backend = os.environ["GPUDL_TEST_BACKEND"]
+rank = int(os.environ["RANK"])
+if backend == "nccl":
+    torch.cuda.set_device(rank)
+dist.init_process_group(backend, init_method=os.environ["GPUDL_TEST_INIT"], rank=rank,
+                        world_size=int(os.environ["WORLD_SIZE"]))
+try:
+    result = getattr(bodies, name)(**kwargs)
+    torch.save(result, out)
+finally:
+    dist.destroy_process_group()
