@@ -30,6 +30,15 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", help="auto | fp32 | bf16-mixed | fp16-mixed | bf16-true")
 
 
+def _launch_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("several processes (torchrun)")
+    g.add_argument("--nproc-per-node", type=int, metavar="N", help="processes on this machine, one per device")
+    g.add_argument("--nnodes", type=int, default=1, help="machines in the job")
+    g.add_argument("--node-rank", type=int, help="this machine's rank (fixed ranks; else assigned on joining)")
+    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="where the machines meet (node 0's address)")
+    g.add_argument("--max-restarts", type=int, default=0, help="restart the group this often after a failure")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpudl", parents=[_common(debug_only=True)],
                                      description="Train CNNs and Transformers as fast as your hardware allows.")
@@ -44,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", parents=[common], help="train a model (default: tiny GPT on Python's own source)")
     _config_args(p)
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in this folder from its newest checkpoint")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in this folder from its newest checkpoint "
+                                                       "('auto': run.name's folder if it has one)")
+    _launch_args(p)
 
     p = sub.add_parser("generate", parents=[common], help="sample text from a trained GPT")
     p.add_argument("run_dir", nargs="?", help="run folder (default: the newest under runs/)")
@@ -62,7 +73,33 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", parents=[common], help="write a run's weights to one safetensors file")
     p.add_argument("run_dir", nargs="?", help="run folder (default: the newest under runs/)")
     p.add_argument("--out", help="output file (default: RUN_DIR/model.safetensors)")
+    _bench_parsers(sub)
     return parser
+
+
+def _bench_parsers(sub) -> None:
+    p = sub.add_parser("bench", parents=[_common(debug_only=True)],
+                       help="throughput, MFU and memory per device x precision x compile, with a report and plots")
+    p.add_argument("--model", dest="models", action="append", default=[], metavar="NAME",
+                   help="a recipe or preset; repeat for several (default: gpt-tiny and resnet18)")
+    p.add_argument("--config", help="a .toml recipe to benchmark (its model, batch size and data)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one setting of every model's config; repeat as needed")
+    p.add_argument("--device", dest="devices", action="append", default=[], metavar="DEVICE",
+                   help="cpu | cuda | rocm | mps | xpu | xla | all; repeat for several (default: all present)")
+    p.add_argument("--precision", dest="precisions", action="append", default=[], metavar="PRECISION",
+                   help="auto | fp32 | bf16-mixed | fp16-mixed | bf16-true; repeat for several "
+                        "(default: fp32 and the mixed precisions each device runs)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile cells")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per cell")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per cell (compile happens here)")
+    p.add_argument("--batch-size", type=int, help="samples per step for every model (default: each recipe's)")
+    p.add_argument("--out", help="output folder (default: bench/<date>-<time>)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout (progress on stderr)")
+
+    p = sub.add_parser("report", parents=[_common(debug_only=True)],
+                       help="plots and a Markdown page of a training run: loss, throughput, memory")
+    p.add_argument("run_dir", nargs="?", help="run folder (default: the newest under runs/)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,7 @@ def train_config(args):
         sets.append(f"run.device={args.device}")
     if args.precision:
         sets.append(f"train.precision={args.precision}")
-    if args.resume:
+    if args.resume and args.resume != "auto":
         if args.config:
             raise UserError("--resume continues a run with its own config.toml: drop --config "
                             "(use --set to change a setting)")
@@ -62,11 +62,18 @@ def train_config(args):
 
 
 def cmd_train(args, console: Console) -> int:
-    from .run import train
+    import os
 
     cfg = train_config(args)
+    if "RANK" not in os.environ and (args.nproc_per_node or args.nnodes > 1 or "SLURM_NNODES" in os.environ):
+        from .launcher import launch_training
+
+        return launch_training(args, cfg, console)
+    from .run import train
+
     result = train(cfg, resume=args.resume, console=console)
-    console.print(f"Run folder: {result.run_dir}")
+    if os.environ.get("RANK", "0") == "0":
+        console.print(f"Run folder: {result.run_dir}")
     return 0
 
 
@@ -118,4 +125,43 @@ def cmd_export(args, console: Console) -> int:
     out = Path(args.out) if args.out else t.run_dir / "model.safetensors"
     meta = {"gpudl_model": t.spec.name, "config": json.dumps(dataclasses.asdict(t.spec.config)), "step": str(t.step)}
     console.print(f"Wrote {export_safetensors(t.model, out, meta)}")
+    return 0
+
+
+def _bench_command(args) -> str:
+    """The command line as the user could type it again (for the report)."""
+    import shlex
+
+    words = ["gpudl", "bench"]
+    for flag, values in (("--model", args.models), ("--set", args.sets), ("--device", args.devices),
+                         ("--precision", args.precisions)):
+        words += [w for v in values for w in (flag, v)]
+    for flag, value in (("--config", args.config), ("--batch-size", args.batch_size), ("--out", args.out)):
+        words += [flag, str(value)] if value is not None else []
+    words += ["--no-compile"] * args.no_compile + [f"--steps={args.steps}", f"--warmup={args.warmup}"]
+    return shlex.join(words)
+
+
+def cmd_bench(args, console: Console) -> int:
+    from .bench import run_bench
+
+    if args.json:
+        console = Console(stderr=True)  # stdout carries only the JSON
+    doc = run_bench(models=args.models, config=args.config, sets=args.sets, devices=args.devices,
+                    precisions=args.precisions, compile=(False,) if args.no_compile else (False, True),
+                    steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, out=args.out,
+                    console=console, command=_bench_command(args))
+    if args.json:
+        _print_json(doc)
+    return 0
+
+
+def cmd_report(args, console: Console) -> int:
+    from .bench.runreport import report_run
+    from .trained import find_run
+
+    written, notes = report_run(find_run(args.run_dir))
+    for note in notes:
+        console.print(note)
+    console.print("Wrote " + ", ".join(str(p) for p in written))
     return 0

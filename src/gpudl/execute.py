@@ -17,6 +17,7 @@ from rich.console import Console
 from .checkpoint import Checkpointer
 from .config import LogConfig, TrainConfig
 from .data import DeviceLoader
+from .distributed.watch import Progress, is_timeout
 from .metrics import Throughput, peak_memory_bytes, reset_peak_memory
 from .monitor import Monitor
 from .peak import measured_peak_flops, peak_key
@@ -72,7 +73,7 @@ def _save_fn(ex: Execution):
     return save
 
 
-def make_monitor(ex: Execution, console: Console, sinks: list) -> Monitor:
+def make_monitor(ex: Execution, console: Console, sinks: list, watch: Progress | None = None) -> Monitor:
     info = ex.session.device
     peak = measured_peak_flops(info, peak_key(ex.job.precision.name))
     samples_per_step = ex.train.batch_size * ex.train.grad_accum * ex.session.dp[1]  # the whole job's
@@ -83,20 +84,26 @@ def make_monitor(ex: Execution, console: Console, sinks: list) -> Monitor:
     return Monitor(throughput=throughput, device=info.torch_device, log_every=ex.train.log_every,
                    max_steps=ex.train.max_steps, sinks=sinks, progress=progress,
                    data_wait=lambda: ex.loader.wait_s, save=_save_fn(ex), save_every=ex.save_every,
-                   reduce=ex.session.reduce_mean)
+                   reduce=ex.session.reduce_mean, note=watch.note if watch else (lambda step, phase: None))
 
 
 def execute(ex: Execution, console: Console) -> Outcome:
     """Run the loop with metrics and checkpoints; then summary, plot and table."""
     resume_step = ex.state.step if ex.state.step else None
     sinks = _sinks(ex, resume_step)
-    monitor = make_monitor(ex, console, sinks)
+    watch = ex.session.watch()
+    monitor = make_monitor(ex, console, sinks, watch)
     reset_peak_memory(ex.session.device.torch_device)
     t0 = time.perf_counter()
     try:
         with monitor.progress:
             monitor.throughput.restart()
+            monitor.note(ex.state.step + 1, "training step")
             train_loop(ex.job, ex.train, ex.state, monitor)
+    except RuntimeError as e:
+        if watch is not None and is_timeout(e):
+            raise watch.diagnose(e) from e
+        raise
     finally:
         for sink in sinks:
             sink.close()

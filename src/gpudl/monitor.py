@@ -30,6 +30,7 @@ class Monitor:
     save: Callable[[TrainState], None] | None = None
     save_every: int = 0
     reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t  # mean over data-parallel ranks
+    note: Callable[[int, str], None] = lambda step, phase: None    # where this rank is, for stall reports
     records: list[dict] = field(default_factory=list)
     _losses: list = field(default_factory=list)
     _norms: list = field(default_factory=list)
@@ -46,6 +47,7 @@ class Monitor:
         self._step_end = time.perf_counter()
 
     def _log(self, state: TrainState, lr: float) -> None:
+        self.note(state.step, "logging")
         losses = self.reduce(torch.stack(self._losses)).tolist()  # one device->host transfer
         norms = torch.stack(self._norms).float().tolist()
         self._losses.clear()
@@ -69,6 +71,7 @@ class Monitor:
 
     def on_eval(self, state: TrainState, metrics: dict[str, float]) -> None:
         self._excluded += time.perf_counter() - self._step_end  # evaluation ran since the step ended
+        self.note(state.step, "evaluation")
         means = self.reduce(torch.tensor(list(metrics.values()))).tolist()  # each rank saw its own share
         record = {"kind": "eval", "step": state.step, **dict(zip(metrics, means))}
         self._emit(record)
@@ -80,8 +83,10 @@ class Monitor:
         if self.save is not None and (state.step == self.max_steps or
                                       (self.save_every and state.step % self.save_every == 0)):
             t0 = time.perf_counter()
+            self.note(state.step, "checkpoint save")
             self.save(state)
             self._excluded += time.perf_counter() - t0
+        self.note(state.step + 1, "training step")
 
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` (evaluation, say) out of the current throughput window."""

@@ -1,15 +1,17 @@
 """A training run from a config, stage by stage as DESIGN.md draws it.
 
-config -> device -> model (meta, FLOPs counted, then built on the device) -> parallelize ->
+config -> device -> model (meta, FLOPs counted) -> parallelize (which allocates it on the device) ->
 data loader -> training loop -> metrics -> checkpoints -> export -> sample.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.nn.functional as F
 from rich.console import Console
 from torch import nn
@@ -37,6 +39,7 @@ class RunResult:
     summary: dict
     records: list[dict]
     model: nn.Module
+    optimizer: torch.optim.Optimizer | None = None
 
 
 def model_and_data(cfg: Config, rank: int = 0, world: int = 1) -> tuple[models.ModelSpec, Data]:
@@ -70,10 +73,13 @@ def build_model(spec: models.ModelSpec, data: Data, session: Session, precision:
     sample = meta_batch(data.train.batch(0))
     flops = count_training_flops(meta, sample, models.loss_for(spec)) // cfg.train.batch_size
     info = session.device
-    model = models.build(spec, info.torch_device, precision.param_dtype, seed=cfg.run.seed)
-    placed = parallelize(model, activation_checkpointing=cfg.train.activation_checkpointing,
+    # Allocated by parallelize, which knows what this rank holds (a pipeline rank: its stages only).
+    materialize = functools.partial(models.materialize, device=info.torch_device, dtype=precision.param_dtype,
+                                    seed=cfg.run.seed)
+    placed = parallelize(models.build_meta(spec), activation_checkpointing=cfg.train.activation_checkpointing,
                          compile=compile_wanted(cfg.train.compile, info.type), dims=session.dims, mesh=session.mesh,
-                         precision_name=precision.name, cfg=cfg.parallel, device=info.torch_device)
+                         precision_name=precision.name, cfg=cfg.parallel, device=info.torch_device,
+                         materialize=materialize, batch_size=cfg.train.batch_size)
     return placed, flops
 
 
@@ -114,6 +120,10 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
         console = Console(quiet=True)
     precision = make_precision(cfg.train.precision, session.device)
     meta = models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides))
+    if cfg.parallel.tp > 1:  # before any process counting: no number of processes fixes the model
+        from .distributed.tensor import check_tp
+
+        check_tp(meta, cfg.parallel.tp, cfg.parallel.tp_sequence_parallel)
     plan_parallel(session, cfg.parallel, sum(p.numel() for p in meta.parameters()))
     spec, data = model_and_data(cfg, *session.dp)
     run_dir, resuming = resolve_run_dir(cfg, resume, session)
@@ -134,7 +144,7 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
                    save_every=cfg.checkpoint.every)
     result = execute(ex, console)
     after_training(cfg, spec, job.model, ckpt, session, run_dir, console)
-    return RunResult(run_dir, result.summary, result.records, job.model)
+    return RunResult(run_dir, result.summary, result.records, job.model, job.optimizer)
 
 
 def _announce(console, session: Session, precision: Precision, spec, data: Data, model, state) -> None:

@@ -15,7 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from .config import ParallelConfig, RunConfig
 from .device import DeviceInfo, detect
 from .distributed.env import DistEnv, check_devices, init_process_group, read_env
-from .distributed.mesh import ParallelDims, dp_coordinates
+from .distributed.mesh import ParallelDims
+from .distributed.watch import Progress
 from .host import keep_freed_memory
 
 # Training state per parameter with AdamW and fp32 master weights: weights, gradients, two moments.
@@ -30,6 +31,15 @@ class Session:
     env: DistEnv | None = None
     dims: ParallelDims | None = None
     mesh: DeviceMesh | None = None
+    dp_mesh: DeviceMesh | None = None   # the data-parallel ranks, flattened to one dimension
+    timeout_s: int = 600
+
+    def watch(self) -> Progress | None:
+        """Progress notes that turn a collective timeout into a named error (None for one process)."""
+        if self.world == 1 or self.dims is None:
+            return None
+        layout = {k: getattr(self.dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp")}
+        return Progress(self.rank, self.world, layout, self.timeout_s)
 
     @property
     def rank(self) -> int:
@@ -42,7 +52,7 @@ class Session:
     @property
     def dp(self) -> tuple[int, int]:
         """(data-parallel rank, data-parallel world)."""
-        return dp_coordinates(self.mesh)
+        return (self.dp_mesh.get_local_rank(), self.dp_mesh.size()) if self.dp_mesh is not None else (0, 1)
 
     @property
     def is_writer(self) -> bool:
@@ -53,7 +63,7 @@ class Session:
         if self.mesh is None or self.dp[1] == 1:
             return t
         t = t.detach().to(self.device.torch_device, torch.float32, copy=True)
-        dist.all_reduce(t, group=self.mesh["dp"].get_group())
+        dist.all_reduce(t, group=self.dp_mesh.get_group())
         return t / self.dp[1]
 
 
@@ -72,7 +82,7 @@ def start_session(run: RunConfig, console: Console, timeout_s: int = 600, init_m
         console.print(f"Using device: {info.label}{where}")
     if info.type == "cpu" and run.keep_host_memory and keep_freed_memory() and not quiet:
         console.print("Host memory: freed blocks are kept for the next step (glibc malloc tuned)")
-    return Session(info, env)
+    return Session(info, env, timeout_s=timeout_s)
 
 
 def plan_parallel(session: Session, cfg: ParallelConfig, n_params: int) -> Session:
@@ -82,5 +92,5 @@ def plan_parallel(session: Session, cfg: ParallelConfig, n_params: int) -> Sessi
     session.dims = ParallelDims.resolve(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, pp=cfg.pp,
                                         world=session.world, shard=shard)
     if session.world > 1:
-        session.mesh = session.dims.build_mesh(session.device.type)
+        session.mesh, session.dp_mesh = session.dims.build_mesh(session.device.type)
     return session

@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -15,8 +16,10 @@ backend = os.environ["GPUDL_TEST_BACKEND"]
 rank = int(os.environ["RANK"])
 if backend == "nccl":
     torch.cuda.set_device(rank)
+# The group is the helper's (file rendezvous), so a test that needs a short collective timeout says so here.
+timeout = timedelta(seconds=float(os.environ.get("GPUDL_TEST_TIMEOUT_S", 300)))
 dist.init_process_group(backend, init_method=os.environ["GPUDL_TEST_INIT"], rank=rank,
-                        world_size=int(os.environ["WORLD_SIZE"]))
+                        world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 try:
     result = getattr(bodies, name)(**kwargs)
     torch.save(result, out)

@@ -27,3 +27,81 @@ def train_tiny(sets: list[str], resume: str | None = None) -> dict:
     return {"losses": {r["step"]: r["loss"] for r in result.records if r["kind"] == "train"},
             "evals": [r for r in result.records if r["kind"] == "eval"],
             "params": full_params(result.model), "summary": result.summary, "rank": dist.get_rank()}
+
+
+def train_and_state(sets: list[str], resume: str | None = None) -> dict:
+    """Train (or only restore, when max_steps is the checkpoint's step); the whole state on rank 0."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from gpudl.config import load_config
+    from gpudl.run import train
+
+    result = train(load_config(None, [*TINY, *sets]), resume=resume, console=Console(quiet=True))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {"params": full_params(result.model),
+            "optim": get_optimizer_state_dict(result.model, result.optimizer, options=options)}
+
+
+def train_with_stall(sets: list[str], stall_rank: int, stall_step: int, seconds: float) -> dict:
+    """Train, but on `stall_rank` hang for `seconds` in the forward pass of step `stall_step`."""
+    import time
+
+    from gpudl import models
+
+    real = models.loss_for
+    calls = {"n": 0}
+
+    def stalling(spec):
+        loss = real(spec)
+
+        def fn(model, batch):
+            calls["n"] += batch[0].device.type != "meta"  # FLOP counting runs once on the meta device
+            if dist.get_rank() == stall_rank and calls["n"] == stall_step:
+                time.sleep(seconds)
+            return loss(model, batch)
+        return fn
+
+    models.loss_for = stalling
+    return train_tiny(sets)
+
+
+def train_gathered(sets: list[str], resume: str | None = None) -> dict:
+    """Train; every rank's parameters merged by name, on every rank (for layouts whose ranks hold
+    different parameters: pipeline stages)."""
+    from torch.distributed.tensor import DTensor
+
+    from gpudl.config import load_config
+    from gpudl.run import train
+
+    result = train(load_config(None, [*TINY, *sets]), resume=resume, console=Console(quiet=True))
+    mine = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+            for k, v in result.model.state_dict().items()}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {"losses": {r["step"]: r["loss"] for r in result.records if r["kind"] == "train"},
+            "evals": [r for r in result.records if r["kind"] == "eval"],
+            "params": {k: v for part in parts for k, v in part.items()}, "summary": result.summary,
+            "rank": dist.get_rank()}
+
+
+def train_tiny_tp(sets: list[str]) -> dict:
+    """train_tiny, and how the trained tensor-parallel model is laid out: each DTensor parameter's
+    placements and local shape, and the local shape of what the first block's first norm returns."""
+    from torch.distributed.tensor import DTensor
+
+    from gpudl.config import load_config
+    from gpudl.run import train
+
+    result = train(load_config(None, [*TINY, *sets]), console=Console(quiet=True))
+    model = result.model
+    seen = []
+    hook = model.blocks["0"].norm1.register_forward_hook(
+        lambda m, args, out: seen.append(tuple((out.to_local() if isinstance(out, DTensor) else out).shape)))
+    with torch.no_grad():
+        model(torch.zeros(2, model.cfg.block_size, dtype=torch.long, device=model.wpe.weight.device))
+    hook.remove()
+    layout = {n: (str(p.placements), tuple(p.to_local().shape)) if isinstance(p, DTensor) else ("plain", tuple(p.shape))
+              for n, p in model.named_parameters()}
+    return {"losses": {r["step"]: r["loss"] for r in result.records if r["kind"] == "train"},
+            "params": full_params(model), "layout": layout, "norm_out": seen[0],
+            "tied": model.wte.weight is model.lm_head.weight, "rank": dist.get_rank()}

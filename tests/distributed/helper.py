@@ -35,8 +35,11 @@ def _output(log: Path) -> str:
 
 
 def run_ranks(body: str, world: int, tmp_path: Path, backend: str = "gloo", timeout: float = 180,
-              env: dict | None = None, **kwargs) -> list:
-    """Run `bodies.<body>(**kwargs)` on `world` ranks; returns each rank's return value (torch.load'ed)."""
+              env: dict | None = None, expect_failure: bool = False, **kwargs) -> list:
+    """Run `bodies.<body>(**kwargs)` on `world` ranks; returns each rank's return value (torch.load'ed).
+
+    With `expect_failure`, returns [(exit status, output)] per rank instead of failing the test.
+    """
     tmp_path.mkdir(parents=True, exist_ok=True)
     init = tmp_path / "rendezvous"
     init.unlink(missing_ok=True)
@@ -63,6 +66,8 @@ def run_ranks(body: str, world: int, tmp_path: Path, backend: str = "gloo", time
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+    if expect_failure:
+        return [(p.returncode, _output(log)) for p, log in zip(procs, logs)]
     if failed:
         detail = "\n".join(f"--- rank {r} (exit {procs[r].returncode}) ---\n{_output(logs[r])}" for r in range(world))
         what = f"timed out after {timeout:.0f} s (ranks {hung} still running, killed)" if hung else f"ranks {failed} failed"

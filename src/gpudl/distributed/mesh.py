@@ -67,17 +67,8 @@ class ParallelDims:
         parts = [f"{k}={getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "tp", "pp") if getattr(self, k) > 1]
         return " x ".join(parts) or "one process"
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The 4-D mesh over all ranks, plus a flattened "dp" dimension for data-parallel reductions."""
+    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+        """The 4-D mesh over all ranks, and the 1-D mesh of the data-parallel ranks (both dp dims flattened)."""
         mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=NAMES)
         # torchtitan's way to name the combined data-parallel ranks; no public API does this yet.
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
-
-
-def dp_coordinates(mesh: DeviceMesh | None) -> tuple[int, int]:
-    """(data-parallel rank, data-parallel world) of this process: which share of each batch it trains on."""
-    if mesh is None:
-        return 0, 1
-    dp = mesh["dp"]
-    return dp.get_local_rank(), dp.size()
+        return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")

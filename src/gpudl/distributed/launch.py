@@ -1,0 +1,109 @@
+"""`gpudl train --nproc-per-node N`: start the workers through torchrun's own launcher.
+
+This process becomes torchrun's agent (`torch.distributed.run`), which starts N workers that
+run `python -m gpudl train ...` with RANK, WORLD_SIZE, LOCAL_RANK set, restarts the whole group
+up to `--max-restarts` times when a worker dies, and handles multi-node rendezvous. Every
+worker runs with one fixed run name and `--resume auto`, so a restarted group continues from
+the newest checkpoint by itself. Under SLURM (`srun`, one launcher per node) the node count,
+node rank and rendezvous host come from SLURM's environment.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..errors import UserError
+from .env import _first_slurm_host
+
+DEFAULT_PORT = 29500
+# How long a node waits for the rendezvous endpoint to answer before giving up with a clear error.
+RENDEZVOUS_WAIT_S = 120
+
+
+@dataclass(frozen=True)
+class LaunchArgs:
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    max_restarts: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+def from_slurm(args: LaunchArgs, environ: Mapping[str, str]) -> LaunchArgs:
+    """Fill what the user left out from SLURM's environment (one `gpudl train` per node under srun)."""
+    if "SLURM_JOB_ID" not in environ or args.nnodes > 1 or int(environ.get("SLURM_NNODES", 1)) == 1:
+        return args
+    host = _first_slurm_host(environ.get("SLURM_JOB_NODELIST", "localhost"))
+    return LaunchArgs(args.nproc_per_node, int(environ["SLURM_NNODES"]), int(environ.get("SLURM_NODEID", 0)),
+                      args.rdzv_endpoint or f"{host}:{DEFAULT_PORT}", args.max_restarts)
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"--rdzv-endpoint {endpoint!r} must be host:port, e.g. node0:{DEFAULT_PORT}")
+    return host, int(port)
+
+
+def _is_local(host: str) -> bool:
+    try:
+        return host in ("localhost", "127.0.0.1", socket.gethostname()) or \
+            socket.gethostbyname(host) in ("127.0.0.1", socket.gethostbyname(socket.gethostname()))
+    except OSError:
+        return False
+
+
+def wait_for_endpoint(endpoint: str, wait_s: float = RENDEZVOUS_WAIT_S) -> None:
+    """Fail with a clear line, instead of hanging, when another node's endpoint never answers."""
+    host, port = _split_endpoint(endpoint)
+    if _is_local(host):
+        return  # this node hosts the rendezvous
+    deadline, last = time.monotonic() + wait_s, None
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=5).close()
+            return
+        except OSError as e:
+            last = e
+            time.sleep(2)
+    raise UserError(f"cannot reach the rendezvous endpoint {endpoint} after {wait_s:.0f} s ({last}): start the "
+                    f"node it points to first, or fix --rdzv-endpoint")
+
+
+def torchrun_argv(args: LaunchArgs, worker_argv: list[str]) -> list[str]:
+    """torchrun's command line for this launch; the workers run `python -m gpudl <worker_argv>`."""
+    argv = ["--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts)]
+    if args.nnodes == 1 and not args.rdzv_endpoint:
+        argv.append("--standalone")
+    elif args.node_rank is not None:  # fixed node ranks: static rendezvous at node 0's address
+        host, port = _split_endpoint(args.rdzv_endpoint or f"localhost:{DEFAULT_PORT}")
+        argv += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--rdzv-backend", "static",
+                 "--master-addr", host, "--master-port", str(port)]
+    else:  # elastic: nodes join in any order and get their ranks from the rendezvous
+        argv += ["--nnodes", str(args.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint,
+                 "--rdzv-id", "gpudl", "--rdzv-conf", f"join_timeout={RENDEZVOUS_WAIT_S}"]
+    return [*argv, "-m", "gpudl", *worker_argv]
+
+
+def launch(args: LaunchArgs, worker_argv: list[str]) -> int:
+    """Run the job; returns the exit status (a failed worker's, or 1)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if args.rdzv_endpoint and args.nnodes > 1:
+        wait_for_endpoint(args.rdzv_endpoint)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
+    try:
+        run(get_args_parser().parse_args(torchrun_argv(args, worker_argv)))
+    except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values()]
+        return next((c for c in codes if c == 2), codes[0] if codes else 1)
+    return 0

@@ -1,0 +1,90 @@
+"""Turn a collective that times out into an error that names the collective and the late rank.
+
+A collective that waits for a stalled rank fails after the process group's timeout with a
+message such as "Timed out waiting 60000ms for recv operation": no operation, no rank. So
+every rank notes in the job's key-value store where it is (step and phase) as it goes; when a
+collective times out, the rank that saw it reads everyone's notes and names the rank that is
+behind. One small store write per step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch.distributed as dist
+
+from ..errors import UserError
+
+# What the processes exchange in each phase, by layout, for the error message.
+_STEP_COLLECTIVES = {"dp_replicate": "gradient all-reduce (DDP)",
+                     "dp_shard": "parameter all-gather / gradient reduce-scatter (FSDP)",
+                     "tp": "activation all-reduce (tensor parallel)", "pp": "activation send/recv (pipeline)"}
+_TIMEOUT_WORDS = ("timed out", "timeout", "watchdog")
+# How long a rank that timed out waits for the others' timeouts before naming the ones missing.
+TIMEOUT_GRACE_S = 10.0
+
+
+class CollectiveTimeout(UserError):
+    """A collective waited longer than parallel.timeout_s for another rank."""
+
+
+def is_timeout(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and any(w in str(error).lower() for w in _TIMEOUT_WORDS)
+
+
+class Progress:
+    """This rank's notes in the store, and a diagnosis of a timeout from everyone's notes."""
+
+    def __init__(self, rank: int, world: int, layout: dict[str, int], timeout_s: int):
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.layout = {k: v for k, v in layout.items() if v > 1}
+        # The store that rendezvous created; torch has no public accessor for it.
+        self.store = dist.distributed_c10d._get_default_store() if world > 1 and dist.is_initialized() else None
+        self.step, self.phase = 0, "start-up"
+
+    def note(self, step: int, phase: str) -> None:
+        self.step, self.phase = step, phase
+        if self.store is not None:
+            self.store.set(f"gpudl/progress/{self.rank}", json.dumps([step, phase, time.time()]))
+
+    def _read(self, prefix: str) -> dict[int, list]:
+        out = {}
+        for r in range(self.world):
+            key = f"{prefix}/{r}"
+            if self.store.check([key]):
+                out[r] = json.loads(self.store.get(key))
+        return out
+
+    def collectives(self, phase: str) -> str:
+        if phase == "training step":
+            return " / ".join(_STEP_COLLECTIVES[k] for k in ("pp", "tp", "dp_shard", "dp_replicate") if k in self.layout)
+        return {"logging": "loss all-reduce", "evaluation": "evaluation all-reduce",
+                "checkpoint save": "checkpoint barrier / gather"}.get(phase, "collective")
+
+    def _late_ranks(self) -> tuple[list[int], dict[int, list]]:
+        """Ranks that did not time out too: every rank waiting on a stalled one times out within the
+        same few seconds, so the ranks that never report a timeout are the ones holding the job up."""
+        self.store.set(f"gpudl/timeout/{self.rank}", json.dumps([self.step, self.phase, time.time()]))
+        deadline = time.time() + TIMEOUT_GRACE_S
+        while time.time() < deadline and len(self._read("gpudl/timeout")) < self.world:
+            time.sleep(0.5)
+        waited = self._read("gpudl/timeout")
+        return sorted(set(range(self.world)) - set(waited)), self._read("gpudl/progress")
+
+    def diagnose(self, error: BaseException) -> CollectiveTimeout:
+        where = (f"the {self.collectives(self.phase)} of step {self.step} timed out after {self.timeout_s} s "
+                 f"on rank {self.rank}")
+        try:
+            late, notes = self._late_ranks() if self.store is not None else ([], {})
+        except Exception:  # the store lives with rank 0, which may be the rank that is gone
+            late, notes = [], {}
+        now = time.time()
+        if late:
+            who = "; ".join(f"rank {r} never arrived" + (f" (last at step {notes[r][0]}, {notes[r][1]}, "
+                                                       f"{now - notes[r][2]:.0f} s ago)" if r in notes else "")
+                            for r in late)
+        else:
+            who = "no rank could be singled out (a rank died or the network failed)"
+        return CollectiveTimeout(f"{where}: {who}. Look at that rank's output; if such a wait is expected, "
+                                 f"raise --set parallel.timeout_s (now {self.timeout_s})")
