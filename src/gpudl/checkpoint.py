@@ -28,11 +28,16 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
 from .ckpt_files import PREFIX, complete_checkpoints, manifest, verify
 from .errors import UserError
+
+# Optimizer state keyed by parameter name, hyperparameters too ("param_groups.<name>.lr"): ranks
+# that hold different parameters (pipeline stages) would each write a `param_groups` list of their
+# own names, of which DCP keeps one.
+OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -107,7 +112,8 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
+        state = {"model": get_model_state_dict(model),
+                 "optim": get_optimizer_state_dict(model, optimizer, options=OPTIM_OPTIONS),
                  f"rng_{_rank()}": _rng_state(_device_of(model))}  # a key per rank: each has its own streams
         with _single_process_ok():
             dcp.save(state, checkpoint_id=str(tmp))
@@ -162,11 +168,11 @@ class Checkpointer:
         state = self._verified(ckpt, no_dist)
         sd = {"model": get_model_state_dict(model)}
         if optimizer is not None:
-            sd["optim"] = get_optimizer_state_dict(model, optimizer)
+            sd["optim"] = get_optimizer_state_dict(model, optimizer, options=OPTIM_OPTIONS)
         _dcp_load(sd, ckpt, partial=optimizer is None, no_dist=no_dist)
         set_model_state_dict(model, sd["model"])
         if optimizer is not None:
-            set_optimizer_state_dict(model, optimizer, sd["optim"])
+            set_optimizer_state_dict(model, optimizer, sd["optim"], options=OPTIM_OPTIONS)
             self._restore_rng(ckpt, _device_of(model), no_dist)
         return state
 

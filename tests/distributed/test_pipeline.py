@@ -18,15 +18,22 @@ from test_strategies import assert_same_training
 PP_MODEL = ["model.n_layer=4", "model.tie_embeddings=false"]
 
 
-@pytest.fixture(scope="module")
-def ref_untied(tmp_path_factory) -> dict:
+def losses_of(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def reference(tmp_path, *sets: str) -> dict:
     """One process, the whole batch, the same untied four-layer model."""
-    tmp_path = tmp_path_factory.mktemp("ref")
-    cfg = load_config(None, [*TINY, *PP_MODEL, f"run.dir={tmp_path}", "run.name=ref"])
+    cfg = load_config(None, [*TINY, *PP_MODEL, *sets, f"run.dir={tmp_path}", "run.name=ref"])
     result = train(cfg, console=Console(quiet=True))
-    return {"losses": {r["step"]: r["loss"] for r in result.records if r["kind"] == "train"},
+    return {"losses": losses_of(result.records),
             "evals": [r for r in result.records if r["kind"] == "eval"],
             "params": {k: v.detach().cpu() for k, v in result.model.state_dict().items()}}
+
+
+@pytest.fixture(scope="module")
+def ref_untied(tmp_path_factory) -> dict:
+    return reference(tmp_path_factory.mktemp("ref"))
 
 
 @pytest.mark.parametrize("backend", backends())
@@ -42,15 +49,38 @@ def test_pipeline_equals_one_process_on_the_full_batch(tmp_path, ref_untied, bac
         assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
 
 
-def test_pipeline_checkpoint_resumes_in_one_process(tmp_path, ref_untied):
-    """Saved by two stages, loaded whole: the names are the whole model's, and DCP reshards."""
-    run_ranks("train_gathered", 2, tmp_path, sets=[*PP_MODEL, "parallel.pp=2", "checkpoint.every=5",
-                                                   f"run.dir={tmp_path}/runs", "run.name=pp"])
-    *older, newest = sorted((tmp_path / "runs" / "pp" / "checkpoints").glob("step_*"))
+def test_pipeline_accumulates_gradients_over_micro_steps(tmp_path):
+    """Two schedule steps per optimizer step: gradients add up, scaled once."""
+    want = reference(tmp_path / "ref", "train.grad_accum=2")
+    ranks = run_ranks("train_gathered", 2, tmp_path, sets=[*PP_MODEL, "parallel.pp=2", "train.grad_accum=2",
+                                                           f"run.dir={tmp_path}/runs", "run.name=pp"])
+    assert_same_training(ranks[0], want)
+
+
+@pytest.mark.parametrize("layout", [
+    ["parallel.dp_shard=2", "parallel.pp_schedule=1f1b"],
+    ["parallel.dp_replicate=2", "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_stages_per_rank=2"],
+], ids=["fsdp-1f1b", "replicate-interleaved"])
+def test_pipeline_with_data_parallelism_equals_one_process_on_the_full_batch(tmp_path, tmp_path_factory, layout):
+    want = reference(tmp_path_factory.mktemp("ref8"), "train.batch_size=8")
+    ranks = run_ranks("train_gathered", 4, tmp_path, timeout=300,
+                      sets=[*PP_MODEL, "parallel.pp=2", *layout, f"run.dir={tmp_path}/runs", "run.name=pp"])
+    assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
+    assert_same_training(ranks[0], want)
+
+
+def test_pipeline_checkpoints_resume_in_the_pipeline_and_in_one_process(tmp_path, ref_untied):
+    """Saved by two stages, loaded by two stages or by the whole model: the names are the whole
+    model's (optimizer state included), and DCP reshards."""
+    sets = [*PP_MODEL, "parallel.pp=2", "checkpoint.every=5", f"run.dir={tmp_path}/runs", "run.name=pp"]
+    run_ranks("train_gathered", 2, tmp_path / "first", sets=sets)
+    *_, newest = sorted((tmp_path / "runs" / "pp" / "checkpoints").glob("step_*"))
     shutil.rmtree(newest)  # resume from step 5
+    shutil.copytree(tmp_path / "runs" / "pp", tmp_path / "runs" / "whole")  # each resume writes its own
+    again = run_ranks("train_gathered", 2, tmp_path / "again", sets=sets, resume=str(tmp_path / "runs" / "pp"))[0]
     cfg = load_config(None, [*TINY, *PP_MODEL, f"run.dir={tmp_path}/runs"])
-    resumed = train(cfg, resume=tmp_path / "runs" / "pp", console=Console(quiet=True))
-    losses = {r["step"]: r["loss"] for r in resumed.records if r["kind"] == "train"}
-    assert sorted(losses) == list(range(6, 11))
-    for step, loss in losses.items():
-        assert loss == pytest.approx(ref_untied["losses"][step], abs=1e-5), f"loss at step {step}"
+    whole = train(cfg, resume=tmp_path / "runs" / "whole", console=Console(quiet=True))
+    for name, records in (("pp=2", again["losses"]), ("one process", losses_of(whole.records))):
+        assert sorted(records) == list(range(6, 11)), name
+        for step, loss in records.items():
+            assert loss == pytest.approx(ref_untied["losses"][step], abs=1e-5), f"{name}, loss at step {step}"

@@ -2,7 +2,8 @@
 
 Order (torchtitan's): pipeline split -> tensor parallelism -> activation checkpointing ->
 compile -> FSDP or DDP. Each step is a plain function in its own module; `parallelize` is the
-only place that knows the order.
+only place that knows the order. After a pipeline split the other steps apply to each stage
+as if it were the model (torchtitan's "model parts").
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -23,12 +25,21 @@ from ..errors import UserError
 from .mesh import ParallelDims
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """The global gradient norm (a plain tensor, also for sharded gradients); clip to `max_norm` if > 0."""
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group: dist.ProcessGroup | None = None
+                   ) -> torch.Tensor:
+    """The global gradient norm (a plain tensor, also for sharded gradients); clip to `max_norm` if > 0.
+
+    `group`: ranks that hold other parameters of the model (pipeline stages); the norm covers theirs
+    too, so that clipping and the finiteness guard decide the same on each of them.
+    """
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads)
     if isinstance(norm, DTensor):  # sharded gradients (FSDP, TP): reduce the partial norms to the full one
         norm = norm.full_tensor()
+    if group is not None:
+        squares = norm.float().square()
+        dist.all_reduce(squares, group=group)
+        norm = squares.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
@@ -92,7 +103,10 @@ def _triton_present() -> bool:
 
 def _data_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, precision_name: str,
                    cfg: ParallelConfig, device: torch.device) -> Parallelized:
-    if dims.dp_shard > 1:
+    # DDP cannot serve two pipeline stages of one rank (its reducer asserts): with pipeline
+    # parallelism, replication goes through FSDP2, on a (dp_replicate, dp_shard=1) mesh: shards
+    # of one rank, gradients all-reduced.
+    if dims.dp_shard > 1 or dims.pp > 1:
         from .fsdp import apply_fsdp, fsdp_grad_sync
 
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
@@ -109,9 +123,27 @@ def _data_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, preci
 
 def parallelize(model: nn.Module, *, activation_checkpointing: bool, compile: bool,
                 dims: ParallelDims | None = None, mesh: DeviceMesh | None = None, precision_name: str = "fp32",
-                cfg: ParallelConfig | None = None, device: torch.device | None = None) -> Parallelized:
-    """Apply, in order: tensor parallelism, activation checkpointing, compile, FSDP or DDP."""
+                cfg: ParallelConfig | None = None, device: torch.device | None = None,
+                materialize: Callable | None = None, batch_size: int | None = None) -> Parallelized:
+    """Apply, in order: pipeline split, tensor parallelism, activation checkpointing, compile, FSDP or DDP.
+
+    `model` may come on the meta device with `materialize(model, only=names)`, which allocates and
+    initialises it: a pipeline rank allocates only the parts it holds (`only=None`: everything).
+    `batch_size` (per rank) is checked against the pipeline's micro-batches.
+    """
     cfg = cfg or ParallelConfig()
+    if dims is not None and dims.pp > 1:
+        return _pipeline(model, activation_checkpointing, compile, dims, mesh, precision_name, cfg, device,
+                         materialize, batch_size)
+    if materialize is not None:
+        materialize(model, only=None)
+    return _after_split(model, activation_checkpointing, compile, dims, mesh, precision_name, cfg, device)
+
+
+def _after_split(model: nn.Module, activation_checkpointing: bool, compile: bool, dims: ParallelDims | None,
+                 mesh: DeviceMesh | None, precision_name: str, cfg: ParallelConfig,
+                 device: torch.device | None) -> Parallelized:
+    """Tensor parallelism, activation checkpointing, compile, FSDP or DDP: of the model or of one stage."""
     if dims is not None and dims.tp > 1:
         from .tensor import apply_tp
 
@@ -123,3 +155,18 @@ def parallelize(model: nn.Module, *, activation_checkpointing: bool, compile: bo
     if dims is None or mesh is None or dims.dp == 1:
         return Parallelized(model)
     return _data_parallel(model, dims, mesh, precision_name, cfg, device or torch.device("cpu"))
+
+
+def _pipeline(model: nn.Module, activation_checkpointing: bool, compile: bool, dims: ParallelDims, mesh: DeviceMesh,
+              precision_name: str, cfg: ParallelConfig, device: torch.device | None, materialize: Callable | None,
+              batch_size: int | None) -> Parallelized:
+    from .pipeline import pipeline_parallelized, split_model
+
+    device = device or torch.device("cpu")
+    split = split_model(model, mesh["pp"].get_local_rank(), cfg, batch_size=batch_size,
+                        precision_name=precision_name, materialize=materialize)
+    # The rest of the order, for each stage as if it were the model. The rank model keeps the plain
+    # names for the optimizer and checkpoints; PipelineStage drives an FSDP stage's gradient syncs.
+    parts = [_after_split(stage, activation_checkpointing, compile, dims, mesh, precision_name, cfg, device).model
+             for stage in split.stages]
+    return pipeline_parallelized(split, parts, mesh["pp"], cfg, device)

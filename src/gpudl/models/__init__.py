@@ -8,12 +8,15 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import UserError, did_you_mean, unknown_name
 from ..settings import check_value, field_types
@@ -73,10 +76,50 @@ def resolve(name: str, overrides: dict[str, Any] | None = None) -> ModelSpec:
 def build(spec: ModelSpec, device: torch.device, dtype: torch.dtype = torch.float32,
           seed: int = 0) -> nn.Module:
     """Build on the meta device (no memory), then allocate on `device` and initialise there."""
-    model = build_meta(spec)
-    model.to_empty(device=device)
+    return materialize(build_meta(spec), device, dtype, seed)
+
+
+# In-place random fills, as the dispatcher sees them (nn.init.normal_ arrives as aten.normal_).
+_aten = torch.ops.aten
+_RANDOM_FILLS = {_aten.normal_, _aten.uniform_, _aten.bernoulli_, _aten.random_, _aten.exponential_,
+                 _aten.log_normal_, _aten.cauchy_, _aten.geometric_}
+
+
+class _DrawForMeta(TorchDispatchMode):
+    """A random fill of a meta tensor draws as many numbers on `device` (into scratch memory, then
+    dropped), so the generator advances exactly as it would had the tensor been allocated.
+
+    Exact for fills whose draws do not depend on the values drawn (normal_, uniform_: GPT's init).
+    """
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket in _RANDOM_FILLS and args[0].is_meta:
+            func(torch.empty_like(args[0], device=self.device), *args[1:], **kwargs)
+            return args[0]
+        return func(*args, **kwargs)
+
+
+def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype = torch.float32, seed: int = 0,
+                only: Iterable[str] | None = None) -> nn.Module:
+    """Allocate a meta-device model on `device` and initialise it at `seed`, in place.
+
+    `only`: allocate just these submodules (one pipeline rank's share; the rest stays on the
+    meta device). They get exactly the values they have in the whole model at `seed`: the random
+    draws of the parts left out are still made, so the generator advances as for the whole model.
+    """
+    if only is None:
+        model.to_empty(device=device)
+    else:
+        for name in only:
+            model.get_submodule(name).to_empty(device=device)
     torch.manual_seed(seed)
-    model.init_weights()
+    with _DrawForMeta(device) if only is not None else nullcontext():
+        model.init_weights()
     return model.to(dtype)
 
 
@@ -101,4 +144,4 @@ def describe(spec: ModelSpec) -> str:
 
 
 __all__ = ["GPT", "GPTConfig", "ResNet", "ResNetConfig", "PRESETS", "ModelSpec", "resolve", "build",
-           "build_meta", "loss_for", "describe"]
+           "build_meta", "materialize", "loss_for", "describe"]

@@ -146,7 +146,15 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(x))  # (B, T, V)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return lm_loss(logits, targets)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits (B, T, V) against targets (B, T), in fp32.
+
+    Also what a pipeline's schedule applies to its last stage's output.
+    """
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def formula_flops_per_token(cfg: GPTConfig, n_params: int) -> int:
