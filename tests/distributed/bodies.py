@@ -86,7 +86,8 @@ def train_gathered(sets: list[str], resume: str | None = None) -> dict:
 
 def train_tiny_tp(sets: list[str]) -> dict:
     """train_tiny, and how the trained tensor-parallel model is laid out: each DTensor parameter's
-    placements and local shape, and the local shape of what the first block's first norm returns."""
+    placements, local shape and mesh dimensions, and the local shape of what the first block's
+    first norm returns."""
     from torch.distributed.tensor import DTensor
 
     from gpudl.config import load_config
@@ -94,14 +95,16 @@ def train_tiny_tp(sets: list[str]) -> dict:
 
     result = train(load_config(None, [*TINY, *sets]), console=Console(quiet=True))
     model = result.model
+    # Read before the forward below: FSDP leaves the last block's and the root's parameters gathered after one.
+    params = full_params(model)
+    layout = {n: (str(p.placements), tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
+              if isinstance(p, DTensor) else ("plain", tuple(p.shape), ()) for n, p in model.named_parameters()}
     seen = []
     hook = model.blocks["0"].norm1.register_forward_hook(
         lambda m, args, out: seen.append(tuple((out.to_local() if isinstance(out, DTensor) else out).shape)))
     with torch.no_grad():
         model(torch.zeros(2, model.cfg.block_size, dtype=torch.long, device=model.wpe.weight.device))
     hook.remove()
-    layout = {n: (str(p.placements), tuple(p.to_local().shape)) if isinstance(p, DTensor) else ("plain", tuple(p.shape))
-              for n, p in model.named_parameters()}
     return {"losses": {r["step"]: r["loss"] for r in result.records if r["kind"] == "train"},
-            "params": full_params(model), "layout": layout, "norm_out": seen[0],
+            "params": params, "layout": layout, "norm_out": seen[0],
             "tied": model.wte.weight is model.lm_head.weight, "rank": dist.get_rank()}

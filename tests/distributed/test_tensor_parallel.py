@@ -33,6 +33,7 @@ def test_tensor_parallel_equals_one_process(tmp_path, ref4, backend, sequence_pa
     assert ranks[0]["losses"] == ranks[1]["losses"]
     assert_same_training(ranks[0], ref4)
     layout = ranks[0]["layout"]
+    assert {dims for _, _, dims in layout.values()} == {("tp",)}  # every parameter a DTensor on the tp mesh
     for name, local in SHARDED.items():  # really split: each rank holds half of each matrix
         assert layout[name][1] == local, name
     assert "Shard(dim=0)" in layout["blocks.0.attn.wq.weight"][0]
@@ -51,6 +52,9 @@ def test_data_parallel_over_tensor_parallel_equals_one_process(tmp_path, ref8, b
                       sets=[*layout, "parallel.tp=2", f"run.dir={tmp_path}/runs", "run.name=dpxtp"])
     assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
     assert_same_training(ranks[0], ref8)  # 2 data-parallel ranks x batch 4
-    placements, local = ranks[0]["layout"]["blocks.0.attn.wq.weight"]
-    assert "Shard(dim=0)" in placements and local[0] < 16  # tp-split, then (FSDP) split again, on a 2-D mesh
+    # Every parameter is one DTensor over the data-parallel and tp dimensions of the mesh.
+    meshes = {dims for _, _, dims in ranks[0]["layout"].values()}
+    assert meshes == ({("dp_shard", "tp")} if "parallel.dp_shard=2" in layout else {("dp_replicate", "dp_shard", "tp")})
+    placements, local, _ = ranks[0]["layout"]["blocks.0.attn.wq.weight"]
+    assert placements.endswith("Shard(dim=0))")  # split by tp over heads; FSDP splits the tp shard again
     assert local == ((8, 32) if "parallel.dp_shard=2" in layout else (16, 32))

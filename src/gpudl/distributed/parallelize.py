@@ -103,10 +103,10 @@ def _triton_present() -> bool:
 
 def _data_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, precision_name: str,
                    cfg: ParallelConfig, device: torch.device) -> Parallelized:
-    # DDP cannot serve two pipeline stages of one rank (its reducer asserts): with pipeline
-    # parallelism, replication goes through FSDP2, on a (dp_replicate, dp_shard=1) mesh: shards
-    # of one rank, gradients all-reduced.
-    if dims.dp_shard > 1 or dims.pp > 1:
+    # DDP cannot hold DTensor parameters, nor serve two pipeline stages of one rank (its reducer
+    # asserts): with tensor or pipeline parallelism, replication too goes through FSDP2, on a
+    # (dp_replicate, dp_shard=1) mesh: shards of one rank, gradients all-reduced.
+    if dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1:
         from .fsdp import apply_fsdp, fsdp_grad_sync
 
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
