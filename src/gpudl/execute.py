@@ -44,6 +44,7 @@ class Execution:
     run_dir: Path | None = None
     checkpointer: Checkpointer | None = None
     save_every: int = 0
+    n_params: int | None = None  # the whole model's; None: count job.model's (a pipeline rank holds a part)
 
 
 @dataclass
@@ -138,7 +139,7 @@ def summarize(ex: Execution, records: list[dict], wall_s: float) -> dict:
         "step_s": mean("step_s"), "data_wait_frac": mean("data_wait_frac"),
         "peak_mem_gb": peak_memory_bytes(info.torch_device) / 2**30,
         "nonfinite_steps": ex.state.nonfinite_total, "wall_s": wall_s,
-        "params_m": sum(p.numel() for p in ex.job.model.parameters()) / 1e6,
+        "params_m": (ex.n_params or sum(p.numel() for p in ex.job.model.parameters())) / 1e6,
         "flops_per_sample": ex.flops_per_sample,
         "run_dir": str(ex.run_dir) if ex.run_dir else None,
         "torch": torch.__version__,

@@ -124,6 +124,10 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
         from .distributed.tensor import check_tp
 
         check_tp(meta, cfg.parallel.tp, cfg.parallel.tp_sequence_parallel)
+    if cfg.parallel.pp > 1:  # likewise for what no pipeline can run
+        from .distributed.pipeline import check_pipeline
+
+        check_pipeline(meta, cfg.parallel, cfg.train.batch_size, precision.name)
     plan_parallel(session, cfg.parallel, sum(p.numel() for p in meta.parameters()))
     spec, data = model_and_data(cfg, *session.dp)
     run_dir, resuming = resolve_run_dir(cfg, resume, session)
@@ -141,7 +145,8 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
     ex = Execution(session=session, job=job, train=cfg.train, log=cfg.log, state=state, loader=loader,
                    model_name=spec.name, unit=data.unit, units_per_sample=data.units_per_sample,
                    flops_per_sample=flops_per_sample, run_dir=run_dir, checkpointer=ckpt,
-                   save_every=cfg.checkpoint.every)
+                   save_every=cfg.checkpoint.every,
+                   n_params=sum(p.numel() for p in models.build_meta(spec).parameters()))
     result = execute(ex, console)
     after_training(cfg, spec, job.model, ckpt, session, run_dir, console)
     return RunResult(run_dir, result.summary, result.records, job.model, job.optimizer)

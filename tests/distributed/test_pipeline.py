@@ -45,6 +45,8 @@ def test_pipeline_equals_one_process_on_the_full_batch(tmp_path, ref_untied, bac
                       sets=[*PP_MODEL, "parallel.pp=2", *schedule, f"run.dir={tmp_path}/runs", "run.name=pp"])
     assert ranks[0]["losses"] == ranks[1]["losses"]  # the last stage's loss, on every rank
     assert_same_training(ranks[0], ref_untied)
+    n = sum(p.numel() for p in ref_untied["params"].values())
+    assert ranks[0]["summary"]["params_m"] == pytest.approx(n / 1e6)  # the whole model's, not the stage's
     for got, want in zip(ranks[0]["evals"], ref_untied["evals"]):
         assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
 

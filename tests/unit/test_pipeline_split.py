@@ -103,3 +103,12 @@ def test_schedules_a_pipeline_cannot_run_are_refused(cfg, batch, precision, mess
     with pytest.raises(UserError, match=message):
         check_schedule(cfg, batch, precision)
     check_schedule(ParallelConfig(pp=cfg.pp), 8, "fp32")  # the defaults run
+
+
+def test_a_run_refuses_what_no_pipeline_can_run_before_counting_processes(tiny):
+    from rich.console import Console
+
+    from gpudl.run import train
+
+    with pytest.raises(UserError, match="set --set model.tie_embeddings=false"):  # not "needs 2 processes"
+        train(tiny("parallel.pp=2"), console=Console(quiet=True))

@@ -78,6 +78,13 @@ def check_schedule(cfg: ParallelConfig, batch_size: int | None, precision_name: 
                         f"train.precision=bf16-mixed (or fp32)")
 
 
+def check_pipeline(model: nn.Module, cfg: ParallelConfig, batch_size: int | None = None,
+                   precision_name: str = "fp32") -> None:
+    """Refuse, in one line, what no pipeline can run: before any process is counted or model built."""
+    check_model(model, cfg.pp, cfg.pp * cfg.pp_stages_per_rank)
+    check_schedule(cfg, batch_size, precision_name)
+
+
 def stage_layers(n_layer: int, n_stages: int) -> list[range]:
     """Consecutive layers per stage, as even as possible; the first stages take the extra ones
     (the last stage also runs the output head, the heaviest single layer for a large vocabulary)."""
@@ -137,9 +144,8 @@ def split_model(model: nn.Module, pp_rank: int, cfg: ParallelConfig, *, batch_si
     `materialize(model, only=names)` allocates and initialises a meta-device model; it runs before
     the other ranks' parts are deleted, so the parts kept get the values they have in the whole model.
     """
+    check_pipeline(model, cfg, batch_size, precision_name)
     n_stages = cfg.pp * cfg.pp_stages_per_rank
-    check_model(model, cfg.pp, n_stages)
-    check_schedule(cfg, batch_size, precision_name)
     layers = stage_layers(model.cfg.n_layer, n_stages)
     ids = rank_stages(pp_rank, cfg.pp, cfg.pp_stages_per_rank)
     parts = {s: stage_parts(s, layers) for s in ids}
