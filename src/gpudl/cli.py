@@ -91,7 +91,9 @@ def _bench_parsers(sub) -> None:
                    help="auto | fp32 | bf16-mixed | fp16-mixed | bf16-true; repeat for several "
                         "(default: fp32 and the mixed precisions each device runs)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile cells")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per cell")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per cell, at most")
+    p.add_argument("--max-seconds", type=float, default=10.0,
+                   help="stop timing a cell after this long (at least 3 steps); default 10")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per cell (compile happens here)")
     p.add_argument("--batch-size", type=int, help="samples per step for every model (default: each recipe's)")
     p.add_argument("--out", help="output folder (default: bench/<date>-<time>)")

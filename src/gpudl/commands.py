@@ -138,18 +138,20 @@ def _bench_command(args) -> str:
         words += [w for v in values for w in (flag, v)]
     for flag, value in (("--config", args.config), ("--batch-size", args.batch_size), ("--out", args.out)):
         words += [flag, str(value)] if value is not None else []
-    words += ["--no-compile"] * args.no_compile + [f"--steps={args.steps}", f"--warmup={args.warmup}"]
+    words += ["--no-compile"] * args.no_compile
+    words += [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--max-seconds={args.max_seconds:g}"]
     return shlex.join(words)
 
 
 def cmd_bench(args, console: Console) -> int:
-    from .bench import run_bench
+    from .bench import Timing, run_bench
 
     if args.json:
         console = Console(stderr=True)  # stdout carries only the JSON
     doc = run_bench(models=args.models, config=args.config, sets=args.sets, devices=args.devices,
                     precisions=args.precisions, compile=(False,) if args.no_compile else (False, True),
-                    steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, out=args.out,
+                    timing=Timing(steps=args.steps, warmup=args.warmup, max_seconds=args.max_seconds),
+                    batch_size=args.batch_size, out=args.out,
                     console=console, command=_bench_command(args))
     if args.json:
         _print_json(doc)
@@ -162,6 +164,6 @@ def cmd_report(args, console: Console) -> int:
 
     written, notes = report_run(find_run(args.run_dir))
     for note in notes:
-        console.print(note)
+        console.print(note, markup=False, highlight=False)
     console.print("Wrote " + ", ".join(str(p) for p in written))
     return 0

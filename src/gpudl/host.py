@@ -30,3 +30,20 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1 and mallopt(M_TRIM_THRESHOLD, NEVER_TRIM) == 1
+
+
+def release_freed_memory() -> bool:
+    """Give the memory malloc keeps for reuse back to the OS now (glibc `malloc_trim`).
+
+    With `keep_freed_memory` on, the resident set never shrinks; a benchmark that wants each
+    measurement's own peak calls this between measurements. False where it is not possible.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+    return True

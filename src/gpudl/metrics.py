@@ -60,10 +60,17 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    if device.type != "cpu":
-        module = torch.get_device_module(device.type)
-        if hasattr(module, "reset_peak_memory_stats"):
-            module.reset_peak_memory_stats(device)
+    """Start a new peak for `peak_memory_bytes` (the CPU: Linux resets the peak RSS on request)."""
+    if device.type == "cpu":
+        try:
+            with open("/proc/self/clear_refs", "w") as f:  # "5" resets the process's peak RSS
+                f.write("5")
+        except OSError:  # not Linux, or not allowed: the peak stays the process's lifetime peak
+            pass
+        return
+    module = torch.get_device_module(device.type)
+    if hasattr(module, "reset_peak_memory_stats"):
+        module.reset_peak_memory_stats(device)
 
 
 @dataclass

@@ -74,19 +74,25 @@ def _write_cache(path, data: dict) -> None:
     os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
+def cached_measurement(file_name: str, info: DeviceInfo, what: str, measure, use_cache: bool = True) -> float:
+    """`measure()` once per device, torch version and `what`, kept in the cache file `file_name`."""
+    path = cache_dir() / file_name
+    cache = _read_cache(path) if use_cache else {}
+    key = _cache_key(info, what)
+    if key not in cache:
+        cache[key] = measure()
+        if use_cache:
+            _write_cache(path, {**_read_cache(path), key: cache[key]})
+    return float(cache[key])
+
+
 def measured_peak_flops(info: DeviceInfo, precision: str, use_cache: bool = True) -> float:
     """Peak FLOP/s of `info`'s device at `precision` (fp32 | tf32 | bf16 | fp16), measured once."""
     if precision not in info.precisions():
         raise ValueError(f"{info.label} does not run {precision}")
-    path = cache_dir() / "peak_flops.json"
-    cache = _read_cache(path) if use_cache else {}
-    key = _cache_key(info, precision)
-    if key not in cache:
-        n = 1024 if info.type == "cpu" else 8192
-        cache[key] = probe_matmul_flops(info.torch_device, precision, n)
-        if use_cache:
-            _write_cache(path, {**_read_cache(path), key: cache[key]})
-    return float(cache[key])
+    n = 1024 if info.type == "cpu" else 8192
+    return cached_measurement("peak_flops.json", info, precision,
+                              lambda: probe_matmul_flops(info.torch_device, precision, n), use_cache)
 
 
 def peak_key(precision_policy: str, tf32: bool = False) -> str:

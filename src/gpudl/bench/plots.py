@@ -1,0 +1,129 @@
+"""PNG plots with matplotlib (the optional `gpudl[plot]` extra): a benchmark's throughput by device
+and precision and its roofline; a training run's loss, throughput and memory over its steps.
+"""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+from pathlib import Path
+
+MISSING = "plots need matplotlib: pip install 'gpudl[plot]'"
+
+
+def available() -> bool:
+    return find_spec("matplotlib") is not None
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path)
+    _pyplot().close(fig)
+    return path
+
+
+def bench_plots(doc: dict, out_dir: Path) -> list[Path]:
+    """throughput.png and, where anything succeeded, roofline.png."""
+    out = [plot_throughput(doc, out_dir / "throughput.png")]
+    if any(c["status"] == "ok" and c["intensity"] for c in doc["cells"]):
+        out.append(plot_roofline(doc, out_dir / "roofline.png"))
+    return out
+
+
+def plot_throughput(doc: dict, path: Path) -> Path:
+    """One panel per model: samples/s per device and precision, eager and compiled side by side."""
+    plt = _pyplot()
+    names = [m["name"] for m in doc["models"]]
+    modes = doc["settings"]["compile"]
+    width = 0.8 / len(modes)
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.2), dpi=110, squeeze=False)
+    for ax, name in zip(axes[0], names):
+        cells = [c for c in doc["cells"] if c["model"] == name and c["data"] == "synthetic"]
+        labels = list(dict.fromkeys(_where(c) for c in cells))
+        for i, compiled in enumerate(modes):
+            found = [next((c for c in cells if _where(c) == lab and c["compile"] == compiled), None) for lab in labels]
+            ys = [c["samples_per_s"] or 0.0 if c else 0.0 for c in found]
+            xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(labels))]
+            bars = ax.bar(xs, ys, width=width, label="compiled" if compiled else "eager", hatch="//" if compiled else None)
+            ax.bar_label(bars, labels=[f"{y:,.0f}" if y else "failed" if c else "" for y, c in zip(ys, found)],
+                         fontsize=7)
+        ax.set_xticks(range(len(labels)), labels, fontsize=8)
+        ax.set(title=name, ylabel="samples/s (median step)")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _where(cell: dict) -> str:
+    return f"{cell['device'].split(' (')[0]}\n{cell['precision']}"
+
+
+def plot_roofline(doc: dict, path: Path) -> Path:
+    """Per device: compute roofs (one per measured precision) and the bandwidth slope; each cell a point."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 5), dpi=110)
+    ok = [c for c in doc["cells"] if c["status"] == "ok" and c["intensity"] and c["data"] == "synthetic"]
+    xs = [c["intensity"] for c in ok]
+    lo, hi = min(xs + [1.0]) / 4, max(xs + [1e3]) * 4
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, d in enumerate(doc["devices"]):
+        colour = colours[i % len(colours)]
+        bw = d["bandwidth_bytes_per_s"]
+        for key, peak in d["peak_flops"].items():
+            ridge = peak / bw
+            ax.plot([lo, ridge, hi], [bw * lo, peak, peak], color=colour, linewidth=1.2,
+                    linestyle="-" if key in ("bf16", "fp16") else "--")
+            ax.annotate(f"{d['kind']} {key} {peak / 1e12:.2f} TFLOP/s", (hi, peak), fontsize=7, ha="right",
+                        va="bottom", color=colour)
+        for c in (c for c in ok if c["device"] == d["label"]):
+            ax.scatter(c["intensity"], c["achieved_flops"], color=colour, marker="o" if c["compile"] else "s", s=22)
+            ax.annotate(f"{c['model']} {c['precision']}{' c' if c['compile'] else ''}",
+                        (c["intensity"], c["achieved_flops"]), fontsize=6, xytext=(3, -8), textcoords="offset points")
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte, upper-bound bytes)",
+           ylabel="FLOP/s", title="Roofline: measured peaks and bandwidth; circles compiled, squares eager")
+    ax.grid(which="both", alpha=0.2)
+    return _save(fig, path)
+
+
+def _series(records: list[dict], kind: str, key: str) -> tuple[list[int], list[float]]:
+    rows = [(r["step"], r[key]) for r in records if r.get("kind") == kind and r.get(key) is not None]
+    return [s for s, _ in rows], [v for _, v in rows]
+
+
+def _line(path: Path, series: list[tuple], ylabel: str, title: str, twin: tuple | None = None) -> Path:
+    """Lines over the training step: `series` as (steps, values, label, style); `twin` on a right axis."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for xs, ys, label, style in series:
+        ax.plot(xs, ys, style, label=label, linewidth=1.2)
+    ax.set(xlabel="step", ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend()
+    if twin is not None and twin[0]:
+        right = ax.twinx()
+        right.plot(twin[0], twin[1], ":", color="tab:gray", linewidth=1)
+        right.set_ylabel(twin[2])
+    return _save(fig, path)
+
+
+def run_plots(records: list[dict], out_dir: Path, unit: str) -> list[Path]:
+    """loss.png, throughput.png and memory.png from a training run's metric records."""
+    val = _series(records, "eval", "loss")
+    loss = [(*_series(records, "train", "loss"), "train", "-")] + ([(*val, "validation", "o-")] if val[0] else [])
+    mfu = _series(records, "train", "mfu")
+    return [
+        _line(out_dir / "loss.png", loss, "loss", "loss"),
+        _line(out_dir / "throughput.png", [(*_series(records, "train", "units_per_s"), unit, "-")], f"{unit}/s",
+              "throughput (dotted: MFU)", twin=(mfu[0], [100 * v for v in mfu[1]], "MFU %")),
+        _line(out_dir / "memory.png", [(*_series(records, "train", "peak_mem_gb"), "peak", "-")], "GiB",
+              "peak memory"),
+    ]
