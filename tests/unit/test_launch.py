@@ -1,0 +1,87 @@
+"""The launcher's decisions, without starting processes."""
+
+import socket
+
+import pytest
+
+from gpudl.cli import main
+from gpudl.distributed import env as denv
+from gpudl.distributed.launch import LaunchArgs, from_slurm, torchrun_argv, wait_for_endpoint
+from gpudl.distributed.mesh import ParallelDims
+from gpudl.errors import UserError
+
+
+def test_torchrun_command_lines():
+    single = torchrun_argv(LaunchArgs(4, max_restarts=2), ["train", "--set", "a.b=1"])
+    assert single[:5] == ["--nproc-per-node", "4", "--max-restarts", "2", "--standalone"]
+    assert single[-5:] == ["-m", "gpudl", "train", "--set", "a.b=1"]
+    elastic = torchrun_argv(LaunchArgs(8, nnodes=2, rdzv_endpoint="node0:29500"), ["train"])
+    assert "c10d" in elastic and "node0:29500" in elastic and "--standalone" not in elastic
+    static = torchrun_argv(LaunchArgs(8, nnodes=2, node_rank=1, rdzv_endpoint="node0:1234"), ["train"])
+    assert static[static.index("--node-rank") + 1] == "1" and static[static.index("--master-port") + 1] == "1234"
+
+
+def test_slurm_fills_nodes_rank_and_endpoint():
+    env = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[03-06]"}
+    la = from_slurm(LaunchArgs(8), env)
+    assert (la.nnodes, la.node_rank, la.rdzv_endpoint, la.world) == (4, 2, "gpu03:29500", 32)
+    assert from_slurm(LaunchArgs(8), {}) == LaunchArgs(8)
+
+
+def test_environment_of_a_worker():
+    assert denv.read_env({}) is None
+    tr = denv.read_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                        "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert (tr.rank, tr.world_size, tr.local_rank, tr.restart_count) == (3, 8, 1, 1)
+    sl = denv.read_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                        "SLURM_NTASKS_PER_NODE": "4(x2)"})
+    assert (sl.rank, sl.world_size, sl.local_rank, sl.local_world_size) == (5, 8, 1, 4)
+    assert denv.slurm_rendezvous({"SLURM_JOB_NODELIST": "a1,b2", "SLURM_JOB_ID": "5"}) == ("a1", 20005)
+    assert denv._first_slurm_host("node[12-15,20]") == "node12"
+
+
+def test_more_processes_than_devices_is_refused(monkeypatch):
+    monkeypatch.setattr(denv.torch.accelerator, "device_count", lambda: 2)
+    env = denv.DistEnv(rank=0, world_size=4, local_rank=0, local_world_size=4)
+    with pytest.raises(UserError, match="4 processes per node but only 2 cuda device"):
+        denv.check_devices(env, "cuda")
+    denv.check_devices(env, "cpu")  # processes share the CPU: any number is allowed
+
+
+@pytest.mark.parametrize("degrees, world, words", [
+    (dict(dp_replicate="auto", dp_shard="auto", tp=4, pp=1), 6, "divisible by 4, got 6"),
+    (dict(dp_replicate=2, dp_shard=2, tp=1, pp=1), 8, "multiply to 4, but there are 8 processes"),
+])
+def test_degrees_that_do_not_fit_the_world_name_every_factor(degrees, world, words):
+    with pytest.raises(UserError, match=words) as e:
+        ParallelDims.resolve(world=world, **degrees)
+    assert all(f"{k}=" in str(e.value) for k in degrees)
+
+
+@pytest.mark.parametrize("degrees, world, expect", [
+    (dict(dp_replicate="auto", dp_shard="auto", tp=2, pp=1), 8, (4, 1, 2, 1)),
+    (dict(dp_replicate="auto", dp_shard=2, tp=1, pp=2), 8, (2, 2, 1, 2)),
+])
+def test_auto_degrees_take_the_rest(degrees, world, expect):
+    d = ParallelDims.resolve(world=world, **degrees)
+    assert (d.dp_replicate, d.dp_shard, d.tp, d.pp) == expect and d.world == world
+    shard = ParallelDims.resolve(world=4, dp_replicate="auto", dp_shard="auto", tp=1, pp=1, shard=True)
+    assert (shard.dp_replicate, shard.dp_shard) == (1, 4)
+
+
+def test_the_launcher_checks_before_starting_anything(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--nproc-per-node", "3", "--set", "parallel.tp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "need a number of processes divisible by 2, got 3" in err and len(err.strip().splitlines()) == 1
+    assert main(["train", "--nproc-per-node", "2", "--nnodes", "2", "--rdzv-endpoint", "x:1"]) == 2
+    assert "needs one run name on all of them" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_unreachable_endpoint_is_a_clear_error_not_a_hang():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.2", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(UserError, match=f"cannot reach the rendezvous endpoint 127.0.0.2:{port} after 2 s"):
+        wait_for_endpoint(f"127.0.0.2:{port}", wait_s=2)
