@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import UserError, unknown_name
-from .settings import dump_toml, from_dict, option, parse_literal, set_dotted, to_dict
+from .settings import CommandLineValue, dump_toml, from_dict, option, set_dotted, to_dict
 
 PrecisionName = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-true"]
 
@@ -172,10 +172,13 @@ def config_from_dict(data: dict) -> Config:
         raise UserError(f"[model] must be a table of settings, got {model!r}")
     cfg = from_dict(Config, data, "")
     name = model.pop("name", ModelConfig().name)
+    name = str(name) if isinstance(name, CommandLineValue) else name
     if not isinstance(name, str):
         raise UserError(f"model.name must be a string, got {name!r}")
     model.pop("overrides", None)
-    cfg.model = ModelConfig(name=name, overrides=model)
+    # The model family types its own fields (models.resolve); keep plain TOML values here.
+    overrides = {k: v.parsed if isinstance(v, CommandLineValue) else v for k, v in model.items()}
+    cfg.model = ModelConfig(name=name, overrides=overrides)
     return cfg
 
 
@@ -186,7 +189,7 @@ def load_config(source: str | Path | None = None, overrides: list[str] | tuple[s
         key, sep, raw = item.partition("=")
         if not sep or not key.strip() or "." not in key:
             raise UserError(f"--set expects section.key=value, got {item!r}: e.g. --set train.max_steps=100")
-        set_dotted(data, key.strip(), parse_literal(raw.strip()))
+        set_dotted(data, key.strip(), CommandLineValue(raw.strip()))
     return config_from_dict(data)
 
 

@@ -30,6 +30,15 @@ def parse_literal(raw: str) -> Any:
         return raw
 
 
+class CommandLineValue(str):
+    """The text of a `--set` value. A field that takes a string gets the text as typed (so
+    `run.name=nan` is the name "nan"); any other field gets its TOML reading (`.parsed`)."""
+
+    @property
+    def parsed(self) -> Any:
+        return parse_literal(str(self))
+
+
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
@@ -94,10 +103,16 @@ def _check_limits(key: str, value: Any, meta: dict) -> None:
 
 def check_value(key: str, tp: Any, value: Any, meta: dict | None = None) -> Any:
     """Coerce `value` to `tp` and check its limits, or raise a UserError that names the key."""
+    typed = value.parsed if isinstance(value, CommandLineValue) else value
     try:
-        out = _coerce(tp, value)
+        out = _coerce(tp, typed)
     except ValueError:
-        raise UserError(f"{key} must be {_type_name(tp)}, got {value!r}") from None
+        try:  # a command-line value that is not of the field's type may still be the string it wants
+            out = _coerce(tp, str(value)) if isinstance(value, CommandLineValue) else None
+        except ValueError:
+            out = None
+        if out is None:
+            raise UserError(f"{key} must be {_type_name(tp)}, got {typed!r}") from None
     _check_limits(key, out, meta or {})
     return out
 

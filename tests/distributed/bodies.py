@@ -108,3 +108,28 @@ def train_tiny_tp(sets: list[str]) -> dict:
     return {"losses": {r["step"]: r["loss"] for r in result.records if r["kind"] == "train"},
             "params": params, "layout": layout, "norm_out": seen[0],
             "tied": model.wte.weight is model.lm_head.weight, "rank": dist.get_rank()}
+
+
+def poison_loss(rank_to_poison: int | None, step: int) -> None:
+    """Make the loss NaN at training step `step` on one rank (None: in this single process)."""
+    from gpudl import models
+
+    real = models.loss_for
+    calls = {"n": 0}
+
+    def poisoned(spec):
+        loss = real(spec)
+
+        def fn(model, batch):
+            calls["n"] += batch[0].device.type != "meta"
+            me = dist.get_rank() if dist.is_initialized() else None
+            out = loss(model, batch)
+            return out * float("nan") if calls["n"] == step and me == rank_to_poison else out
+        return fn
+
+    models.loss_for = poisoned
+
+
+def train_poisoned(sets: list[str], rank: int, step: int) -> dict:
+    poison_loss(rank, step)
+    return train_tiny(sets)

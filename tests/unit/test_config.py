@@ -103,3 +103,10 @@ def test_every_shipped_recipe_loads_and_resolves(name):
     spec = models.resolve(cfg.model.name, cfg.model.overrides)
     assert spec.name == cfg.model.name
     assert isinstance(cfg, Config)
+
+
+def test_a_command_line_string_stays_the_text_typed():
+    cfg = load_config(None, ["run.name=nan", "run.dir=2024", "data.path=inf"])
+    assert (cfg.run.name, cfg.run.dir, cfg.data.path) == ("nan", "2024", "inf")
+    with pytest.raises(UserError, match="train.max_steps must be int, got nan"):
+        load_config(None, ["train.max_steps=nan"])
