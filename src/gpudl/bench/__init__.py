@@ -55,12 +55,22 @@ def run_bench(*, models: list[str] = (), config: str | None = None, sets: list[s
     doc = run_plan(plan, console, command)
     for note in write_report(doc, folder):
         console.print(note, markup=False, highlight=False)
-    for table in tables(doc):
-        # Not a terminal (a log, a pipe): rich would squeeze the tables into 80 columns.
-        console.print(table, width=None if console.is_terminal else max(console.width, 120))
+    _print_wide(console, tables(doc))
     console.print(f"Report: {folder / 'report.md'} · data: {folder / 'bench.json'}"
-                  + (f" · plots: {', '.join(doc['plots'])}" if doc["plots"] else ""))
+                  + (f" · plots: {', '.join(doc['plots'])}" if doc["plots"] else ""), soft_wrap=True)
     return doc
+
+
+def _print_wide(console: Console, renderables: list) -> None:
+    """Print; into a log or a pipe at 120 columns at least, where rich would squeeze tables into 80."""
+    width = console.width
+    if not console.is_terminal:
+        console.width = max(width, 120)
+    try:
+        for r in renderables:
+            console.print(r)
+    finally:
+        console.width = width
 
 
 __all__ = ["run_bench", "make_plan", "run_plan", "write_report", "Plan", "Timing", "SCHEMA", "DEFAULT_MODELS"]
