@@ -1,0 +1,320 @@
+"""gpudl against a minimal raw PyTorch loop, Lightning Fabric and Hugging Face Accelerate, in one process.
+
+Same model (gpt-tiny), same data, interleaved rounds: every round runs each tool for a few steps, in
+an order that rotates from round to round, so that whatever else the machine does falls on all of
+them alike. Only medians over many rounds mean anything on a shared machine. Two comparisons:
+
+1. Identical settings: every tool drives the very same model, optimizer and scheduler objects over
+   the same batches, already on the device, at the precision gpudl picks for the device (separate
+   copies differ by a few percent on their own: memory placement). Per tool: its time over raw
+   PyTorch's in the same round. gpudl's goal: at most 1% slower than raw PyTorch.
+2. Each tool's defaults: each builds its own model (same seed) and optimizer, and reads the same
+   tensors through its own data path, the way its documentation starts a user off: raw PyTorch and
+   the others in fp32 with `torch.optim.AdamW` and a `DataLoader`; gpudl as `gpudl.fit` sets itself
+   up (automatic precision and compile, fused AdamW, prefetching loader, clipping, metrics). Per
+   tool: samples/s, and gpudl's over each other tool's in the same round. gpudl's goal: 1.5x.
+
+Fabric and Accelerate are measured when installed (`pip install lightning accelerate`, not
+dependencies of gpudl) and reported as skipped otherwise.
+
+    python benchmarks/peers.py
+    python benchmarks/peers.py --rounds 40 --steps 5 --only identical
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from gpudl import models
+from gpudl.config import OptimConfig, TrainConfig
+from gpudl.data import DeviceLoader
+from gpudl.data.datasets import as_batch_source
+from gpudl.device import detect, synchronize
+from gpudl.distributed.parallelize import compile_wanted, parallelize
+from gpudl.host import keep_freed_memory
+from gpudl.metrics import Throughput
+from gpudl.monitor import Monitor
+from gpudl.optim import make_optimizer, make_scheduler
+from gpudl.precision import make_precision
+from gpudl.sinks import FileSink
+from gpudl.train import Job, TrainState, train_loop
+
+LR = 3e-3
+FABRIC_PRECISION = {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "fp16-mixed": "16-mixed", "bf16-true": "bf16-true"}
+ACCELERATE_PRECISION = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt-tiny")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--steps", type=int, default=5, help="steps per tool per round")
+    p.add_argument("--warmup-rounds", type=int, default=1, help="rounds run first and not counted (compile, caches)")
+    p.add_argument("--only", choices=["identical", "defaults"], help="run one of the two comparisons")
+    return p.parse_args()
+
+
+def installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def gpudl_steps(job: Job, batches: Callable[[], object], steps: int, batch_size: int) -> Callable[[], None]:
+    """gpudl's loop as a run drives it: train_loop with the metrics monitor writing JSONL/CSV."""
+    total = 10**9
+    monitor = Monitor(throughput=Throughput(batch_size, 1, 1.0, 1.0), device=next(job.model.parameters()).device,
+                      log_every=TrainConfig().log_every, max_steps=total,
+                      sinks=[FileSink(Path(tempfile.mkdtemp(prefix="gpudl-peers-")))], progress=None)
+    state, cfg = TrainState(), TrainConfig(max_steps=total, eval_every=0)
+
+    def run():
+        job.batches = batches()
+        cfg.max_steps = state.step + steps
+        train_loop(job, cfg, state, monitor)
+    return run
+
+
+# --- 1. identical settings: one model, optimizer, scheduler and batch list, driven by each tool ---------
+
+def identical_tools(model, opt, sched, prec, batches: list, device: torch.device, steps: int, batch: int) -> dict:
+    tools = {}
+
+    scaler = torch.amp.GradScaler(device.type) if prec.name == "fp16-mixed" else None
+
+    def raw():  # the loop a person writes by hand
+        for b in batches:
+            with torch.autocast(device.type, dtype=prec.autocast_dtype, enabled=prec.autocast_dtype is not None):
+                loss = model(*b)
+            if scaler is None:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+    tools["raw PyTorch"] = raw
+    job = Job(model=model, loss_fn=lambda m, b: m(*b), optimizer=opt, scheduler=sched, precision=prec,
+              batches=iter(()))
+    tools["gpudl"] = gpudl_steps(job, lambda: iter(batches), steps, batch)
+    if installed("lightning") and prec.name in FABRIC_PRECISION:
+        tools["Lightning Fabric"] = _fabric_identical(model, opt, sched, prec, batches, device)
+    if installed("accelerate") and prec.name in ACCELERATE_PRECISION:
+        tools["HF Accelerate"] = _accelerate_identical(model, opt, sched, prec, batches, device)
+    return tools
+
+
+def _fabric_identical(model, opt, sched, prec, batches, device):
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator=device.type, devices=1, precision=FABRIC_PRECISION[prec.name])
+    fmodel, fopt = fabric.setup(model, opt, move_to_device=False)  # wrappers around the same objects
+
+    def run():
+        for b in batches:
+            fabric.backward(fmodel(*b))
+            fabric.clip_gradients(fmodel, fopt, max_norm=1.0)
+            fopt.step()
+            fopt.zero_grad(set_to_none=True)
+            sched.step()
+    return run
+
+
+def _accelerate_identical(model, opt, sched, prec, batches, device):
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=device.type == "cpu", mixed_precision=ACCELERATE_PRECISION[prec.name])
+    amodel, aopt, asched = acc.prepare(model, opt, sched)
+    # prepare() puts an autocast forward on the model instance itself: keep it to Accelerate's rounds.
+    accelerate_forward = model.__dict__.pop("forward", None)
+
+    def run():
+        if accelerate_forward is not None:
+            model.forward = accelerate_forward
+        try:
+            for b in batches:
+                acc.backward(amodel(*b))
+                acc.clip_grad_norm_(amodel.parameters(), 1.0)
+                aopt.step()
+                asched.step()
+                aopt.zero_grad(set_to_none=True)
+        finally:
+            model.__dict__.pop("forward", None)
+    return run
+
+
+# --- 2. each tool's defaults: its own model, optimizer and data path, as its documentation starts you off --
+
+def _epochs(loader):
+    while True:
+        yield from loader
+
+
+def defaults_tools(spec, data: tuple[torch.Tensor, torch.Tensor], device: torch.device, steps: int,
+                   batch: int) -> dict:
+    def loader():
+        return DataLoader(TensorDataset(*data), batch_size=batch, shuffle=True, drop_last=True)
+
+    def fresh():  # fp32, default AdamW: what each of the others starts from
+        model = models.build(spec, device, seed=0)
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+    tools = {"raw PyTorch": _raw_defaults(*fresh(), loader(), device, steps),
+             "gpudl": _gpudl_defaults(spec, data, device, steps, batch)}
+    if installed("lightning"):
+        tools["Lightning Fabric"] = _fabric_defaults(*fresh(), loader(), steps)
+    if installed("accelerate"):
+        tools["HF Accelerate"] = _accelerate_defaults(*fresh(), loader(), steps)
+    return tools
+
+
+def _raw_defaults(model, opt, loader, device, steps):
+    it = _epochs(loader)
+
+    def run():
+        for _ in range(steps):
+            x, y = (t.to(device) for t in next(it))
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    return run
+
+
+def _gpudl_defaults(spec, data, device: torch.device, steps: int, batch: int):
+    """Set up as `gpudl.fit` sets itself up, with every setting left at its default."""
+    info = detect(str(device))
+    prec = make_precision("auto", info)
+    model = models.build(spec, device, prec.param_dtype, seed=0)
+    placed = parallelize(model, activation_checkpointing=False, compile=compile_wanted("auto", device.type))
+    optim_cfg = OptimConfig(lr=LR, warmup_steps=0)
+    opt = make_optimizer(placed.model, optim_cfg, device.type)
+    job = Job(model=placed.model, loss_fn=lambda m, b: m(*b), optimizer=opt, precision=prec,
+              scheduler=make_scheduler(opt, optim_cfg, 10**9), batches=iter(()))
+    loader = DeviceLoader(as_batch_source(data, batch, seed=0), device)
+    print(f"gpudl defaults: precision {prec.name} ({prec.reason}); compile "
+          f"{'on' if compile_wanted('auto', device.type) else 'off'}; AdamW fused={opt.defaults.get('fused')}")
+    return gpudl_steps(job, lambda: loader, steps, batch)
+
+
+def _fabric_defaults(model, opt, loader, steps):
+    from lightning.fabric import Fabric
+
+    fabric = Fabric()
+    fmodel, fopt = fabric.setup(model, opt)
+    it = _epochs(fabric.setup_dataloaders(loader))
+
+    def run():
+        for _ in range(steps):
+            fabric.backward(fmodel(*next(it)))
+            fopt.step()
+            fopt.zero_grad()
+    return run
+
+
+def _accelerate_defaults(model, opt, loader, steps):
+    from accelerate import Accelerator
+
+    acc = Accelerator()
+    amodel, aopt, aloader = acc.prepare(model, opt, loader)
+    it = _epochs(aloader)
+
+    def run():
+        for _ in range(steps):
+            acc.backward(amodel(*next(it)))
+            aopt.step()
+            aopt.zero_grad()
+    return run
+
+
+# --- rounds -----------------------------------------------------------------------------------------
+
+def rounds(tools: dict, device: torch.device, n: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds per round for each tool; the order rotates every round."""
+    names = list(tools)
+    times = {name: [] for name in names}
+    for r in range(warmup + n):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            synchronize(device)
+            t0 = time.perf_counter()
+            tools[name]()
+            synchronize(device)
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4)
+    return q[0], statistics.median(values), q[2]
+
+
+def report(title: str, times: dict[str, list[float]], samples: int, versus: str) -> None:
+    """Per tool: median samples/s; the per-round ratio against `versus` (median and quartiles)."""
+    print(f"\n{title}")
+    for name, ts in times.items():
+        rate = statistics.median(samples / t for t in ts)
+        line = f"  {name:<18} {rate:9.1f} samples/s (median of {len(ts)} rounds)"
+        if name != versus:
+            lo, mid, hi = quartiles([t / v for t, v in zip(ts, times[versus])])
+            line += f" · time vs {versus}: {100 * (mid - 1):+.2f}% (quartiles {100 * (lo - 1):+.2f}% .. {100 * (hi - 1):+.2f}%)"
+        print(line)
+
+
+def report_gpudl_over(times: dict[str, list[float]]) -> None:
+    print("  gpudl's samples/s over each tool's, per round:")
+    for name, ts in times.items():
+        if name != "gpudl":
+            lo, mid, hi = quartiles([t / g for t, g in zip(ts, times["gpudl"])])
+            print(f"    over {name:<18} {mid:.2f}x (quartiles {lo:.2f}x .. {hi:.2f}x)")
+
+
+def main() -> None:
+    args = parse()
+    info = detect(args.device)
+    dev = info.torch_device
+    if info.type == "cpu":
+        keep_freed_memory()  # what a gpudl run does on the CPU; every tool shares this process and gets it
+    spec = models.resolve(args.model)
+    skipped = [n for n, mod in (("Lightning Fabric", "lightning"), ("HF Accelerate", "accelerate")) if not installed(mod)]
+    print(f"Using device: {info.label} · {args.model} · batch {args.batch_size} · {args.rounds} rounds x "
+          f"{args.steps} steps per tool · torch {torch.__version__}"
+          + (f" · skipped (not installed): {', '.join(skipped)}" if skipped else ""))
+    g = torch.Generator().manual_seed(0)
+    block, samples = spec.config.block_size, args.batch_size * args.steps
+    tokens = torch.randint(0, spec.config.vocab_size, (args.batch_size * 64, block + 1), generator=g)
+    data = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    if args.only in (None, "identical"):
+        prec = make_precision("auto", info)
+        model = models.build(spec, dev, prec.param_dtype, seed=0)
+        opt = make_optimizer(model, OptimConfig(lr=LR), dev.type)
+        sched = make_scheduler(opt, OptimConfig(lr=LR), 10**9)
+        batches = [tuple(t[i * args.batch_size:(i + 1) * args.batch_size].to(dev) for t in data)
+                   for i in range(args.steps)]
+        tools = identical_tools(model, opt, sched, prec, batches, dev, args.steps, args.batch_size)
+        times = rounds(tools, dev, args.rounds, args.warmup_rounds)
+        report(f"1. identical settings ({prec.name}, same model/optimizer/batches on the device)", times, samples,
+               "raw PyTorch")
+    if args.only in (None, "defaults"):
+        tools = defaults_tools(spec, data, dev, args.steps, args.batch_size)
+        times = rounds(tools, dev, args.rounds, args.warmup_rounds)
+        report("2. each tool's defaults (own model, optimizer and data path)", times, samples, "raw PyTorch")
+        report_gpudl_over(times)
+
+
+if __name__ == "__main__":
+    main()
