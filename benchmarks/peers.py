@@ -259,6 +259,8 @@ def rounds(tools: dict, device: torch.device, n: int, warmup: int) -> dict[str, 
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
     q = statistics.quantiles(values, n=4)
     return q[0], statistics.median(values), q[2]
 
@@ -271,7 +273,8 @@ def report(title: str, times: dict[str, list[float]], samples: int, versus: str)
         line = f"  {name:<18} {rate:9.1f} samples/s (median of {len(ts)} rounds)"
         if name != versus:
             lo, mid, hi = quartiles([t / v for t, v in zip(ts, times[versus])])
-            line += f" · time vs {versus}: {100 * (mid - 1):+.2f}% (quartiles {100 * (lo - 1):+.2f}% .. {100 * (hi - 1):+.2f}%)"
+            line += (f" · time vs {versus}: {100 * (mid - 1):+.2f}% "
+                     f"(quartiles {100 * (lo - 1):+.2f}% .. {100 * (hi - 1):+.2f}%)")
         print(line)
 
 
@@ -290,7 +293,8 @@ def main() -> None:
     if info.type == "cpu":
         keep_freed_memory()  # what a gpudl run does on the CPU; every tool shares this process and gets it
     spec = models.resolve(args.model)
-    skipped = [n for n, mod in (("Lightning Fabric", "lightning"), ("HF Accelerate", "accelerate")) if not installed(mod)]
+    peers = (("Lightning Fabric", "lightning"), ("HF Accelerate", "accelerate"))
+    skipped = [name for name, module in peers if not installed(module)]
     print(f"Using device: {info.label} · {args.model} · batch {args.batch_size} · {args.rounds} rounds x "
           f"{args.steps} steps per tool · torch {torch.__version__}"
           + (f" · skipped (not installed): {', '.join(skipped)}" if skipped else ""))

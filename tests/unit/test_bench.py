@@ -208,8 +208,9 @@ def test_bytes_counted_per_operator_and_the_roof():
 
 
 def test_speedup_is_over_the_fastest_cpu_cell_of_the_same_model():
-    cells = [{"model": m, "device_kind": k, "status": s, "data": "synthetic", "samples_per_s": v, "speedup_vs_cpu": None}
-             for m, k, s, v in [("a", "cpu", "ok", 10.0), ("a", "cpu", "ok", 20.0), ("a", "cuda", "ok", 300.0),
-                                ("a", "cuda", "failed", None), ("b", "cuda", "ok", 5.0)]]
+    rows = [("a", "cpu", "ok", 10.0), ("a", "cpu", "ok", 20.0), ("a", "cuda", "ok", 300.0),
+            ("a", "cuda", "failed", None), ("b", "cuda", "ok", 5.0)]
+    cells = [{"model": m, "device_kind": k, "status": s, "data": "synthetic", "samples_per_s": v,
+              "speedup_vs_cpu": None} for m, k, s, v in rows]
     speedups(cells)
     assert [c["speedup_vs_cpu"] for c in cells] == [0.5, 1.0, 15.0, None, None]

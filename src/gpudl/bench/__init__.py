@@ -8,10 +8,11 @@ without torch.compile, measured here; written to one folder as JSON, Markdown an
     runner.py    runs the grid with live progress; the benchmark document
     report.py    bench.json, report.md, terminal tables; plots.py the PNGs
 
+>>> import tempfile
 >>> from rich.console import Console
 >>> tiny = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.block_size=16", "train.batch_size=2"]
 >>> doc = run_bench(models=["gpt-tiny"], sets=tiny, devices=["cpu"], precisions=["fp32"], compile=(False,),
-...                 timing=Timing(steps=2, warmup=1), out="/tmp/gpudl-bench-doctest", console=Console(quiet=True))
+...                 timing=Timing(steps=2, warmup=1), out=tempfile.mkdtemp(), console=Console(quiet=True))
 >>> [(c["precision"], c["status"]) for c in doc["cells"]]
 [('fp32', 'ok'), ('fp32', 'ok')]
 """

@@ -34,7 +34,8 @@ from ..precision import make_precision
 from ..train import Job, TrainState, train_loop
 
 # The measured figures of a cell; a failed cell has each of them as None.
-FIGURES = ("step_times_s", "samples_per_s", "units_per_s", "samples_per_s_mean", "step_s_p50", "step_s_p90", "step_s_mean", "cv",
+FIGURES = ("step_times_s", "samples_per_s", "units_per_s", "samples_per_s_mean", "step_s_p50", "step_s_p90",
+           "step_s_mean", "cv",
            "flops_per_step", "achieved_flops", "peak_flops", "mfu", "peak_mem_bytes", "compile_s", "warmup_s",
            "data_wait_frac")
 
@@ -54,7 +55,8 @@ class Cell:
     @property
     def title(self) -> str:
         data = " · real data" if self.real_data else ""
-        return f"{self.model} · {self.device.kind} · {self.precision} · {'compiled' if self.compile else 'eager'}{data}"
+        mode = "compiled" if self.compile else "eager"
+        return f"{self.model} · {self.device.kind} · {self.precision} · {mode}{data}"
 
 
 class _Quiet:

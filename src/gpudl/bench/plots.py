@@ -52,7 +52,8 @@ def plot_throughput(doc: dict, path: Path) -> Path:
             found = [next((c for c in cells if _where(c) == lab and c["compile"] == compiled), None) for lab in labels]
             ys = [c["samples_per_s"] or 0.0 if c else 0.0 for c in found]
             xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(labels))]
-            bars = ax.bar(xs, ys, width=width, label="compiled" if compiled else "eager", hatch="//" if compiled else None)
+            bars = ax.bar(xs, ys, width=width, label="compiled" if compiled else "eager",
+                          hatch="//" if compiled else None)
             ax.bar_label(bars, labels=[f"{y:,.0f}" if y else "failed" if c else "" for y, c in zip(ys, found)],
                          fontsize=7)
         ax.set_xticks(range(len(labels)), labels, fontsize=8)

@@ -103,7 +103,8 @@ def markdown(doc: dict) -> str:
              f"Machine: {mach['cpu']} ({mach['cpu_cores']} cores, {mach['cpu_isa']}) · {mach['platform']} · "
              + ", ".join(f"{k} {v}" for k, v in mach["versions"].items()),
              f"Command: `{doc['command'] or 'gpudl.bench.run_bench'}` · per cell {doc['settings']['warmup']} "
-             f"warm-up steps, then up to {doc['settings']['steps']} timed steps or {doc['settings']['max_seconds']:g} s "
+             f"warm-up steps, then up to {doc['settings']['steps']} timed steps or "
+             f"{doc['settings']['max_seconds']:g} s "
              f"(at least {doc['settings']['min_steps']}) · {doc['duration_s']:.0f} s in all", ""]
     for m in doc["models"]:
         lines += [f"## {m['name']}", "", f"{m['description']}; {m['params'] / 1e6:.2f}M parameters; batch "
