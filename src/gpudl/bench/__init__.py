@@ -47,7 +47,8 @@ def run_bench(*, models: list[str] = (), config: str | None = None, sets: list[s
               console: Console | None = None, command: str | None = None) -> dict:
     """Benchmark `models` (default: gpt-tiny and resnet18) on `devices` (default: all present) at
     `precisions` (default: fp32 and the mixed precisions each device runs); returns the document
-    written to `out`/bench.json next to report.md and the plots.
+    written to `out`/bench.json next to report.md and the plots. Compiled cells reset
+    torch.compile's state (`torch.compiler.reset()`) so that each compiles afresh.
     """
     console = console or Console()
     plan = make_plan(model_names=list(models), config=config, sets=list(sets), devices=list(devices),
