@@ -71,6 +71,16 @@ def test_pipeline_with_data_parallelism_equals_one_process_on_the_full_batch(tmp
     assert_same_training(ranks[0], want)
 
 
+def test_pipeline_with_tensor_parallelism_equals_one_process(tmp_path, ref_untied):
+    """Each stage's blocks sharded over tp=2 (sequence parallel), two stages per pipeline rank."""
+    ranks = run_ranks("train_gathered", 4, tmp_path, timeout=300,
+                      sets=[*PP_MODEL, "parallel.pp=2", "parallel.tp=2", "parallel.tp_sequence_parallel=true",
+                            "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_stages_per_rank=2",
+                            f"run.dir={tmp_path}/runs", "run.name=pp"])
+    assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
+    assert_same_training(ranks[0], ref_untied)
+
+
 def test_pipeline_checkpoints_resume_in_the_pipeline_and_in_one_process(tmp_path, ref_untied):
     """Saved by two stages, loaded by two stages or by the whole model: the names are the whole
     model's (optimizer state included), and DCP reshards."""
