@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .config import ParallelConfig, RunConfig
 from .device import DeviceInfo, detect
-from .distributed.env import DistEnv, check_devices, init_process_group, read_env
+from .distributed.env import DistEnv, check_devices, die_with_agent, init_process_group, read_env
 from .distributed.mesh import ParallelDims
 from .distributed.watch import Progress
 from .host import keep_freed_memory
@@ -72,6 +72,8 @@ def start_session(run: RunConfig, console: Console, timeout_s: int = 600, init_m
     env = read_env()
     info = detect(run.device, local_rank=env.local_rank if env else None)
     if env is not None:
+        if env.has_agent:
+            die_with_agent()
         check_devices(env, info.type)
         if info.type in ("cuda", "xpu"):
             torch.get_device_module(info.type).set_device(info.index)

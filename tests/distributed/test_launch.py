@@ -27,6 +27,8 @@ def finish(proc: subprocess.Popen, timeout: float = 240) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        for pid in descendants(proc.pid):  # workers live in sessions of their own
+            os.kill(pid, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"gpudl train did not finish in {timeout} s:\n{out[-4000:]}", pytrace=False)
@@ -51,6 +53,15 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
 @pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_the_run_resumes_exactly(tmp_path):
     long = ["--set", "train.max_steps=300", "--set", "checkpoint.every=20", "--set", "train.eval_every=0"]
@@ -67,7 +78,6 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_exactly(tmp_path):
     assert first.exists() and len(workers) == 2, "the run ended before a worker could be killed"
     os.kill(workers[1], signal.SIGKILL)
     out = finish(job)
-    assert not (tmp_path / "killed" / "checkpoints" / "step_00000300").exists() or "Resuming at step" in out
     assert "Resuming at step" in out
     assert losses(tmp_path / "killed") == losses(tmp_path / "ref")
 

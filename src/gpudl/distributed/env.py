@@ -5,13 +5,17 @@ SLURM's `srun` sets SLURM_PROCID, SLURM_NTASKS, ... . `read_env` is the one plac
 them; everything else gets a `DistEnv`.
 
 >>> read_env({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
-DistEnv(rank=1, world_size=4, local_rank=1, local_world_size=2, restart_count=0)
+DistEnv(rank=1, world_size=4, local_rank=1, local_world_size=2, restart_count=0, has_agent=False)
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import re
+import signal
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,6 +25,8 @@ import torch.distributed as dist
 
 from ..errors import UserError
 
+PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -29,6 +35,7 @@ class DistEnv:
     local_rank: int
     local_world_size: int
     restart_count: int = 0     # how often torchrun has restarted the group (0: first attempt)
+    has_agent: bool = False    # started by torchrun's agent, which restarts and stops the workers
 
 
 def _first_slurm_host(nodelist: str) -> str:
@@ -46,7 +53,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv | None:
     if "WORLD_SIZE" in env and "RANK" in env:
         return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
                        int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
-                       int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
+                       int(env.get("TORCHELASTIC_RESTART_COUNT", 0)), "TORCHELASTIC_RUN_ID" in env)
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", 1)) > 1:
         return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
                        int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]), 0)
@@ -60,19 +67,44 @@ def slurm_rendezvous(environ: Mapping[str, str]) -> tuple[str, int]:
     return host, port
 
 
+def _attempt_store(env: DistEnv, timeout_s: int) -> dist.Store:
+    """The agent's store, with a key prefix of this attempt's own.
+
+    torchrun's agent keeps one store for the whole job; without a prefix, a restarted group
+    can read the addresses the previous attempt's processes published and hang connecting to them.
+    """
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
+                          is_master=False, timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"gpudl/attempt_{env.restart_count}", agent)
+
+
 def init_process_group(env: DistEnv, backend: str, timeout_s: int, init_method: str | None = None) -> None:
     """Join the job's process group (a no-op when one is already initialised)."""
     if dist.is_initialized():
         return
-    if init_method is None and "MASTER_ADDR" not in os.environ:
+    store = None
+    if init_method is None and env.has_agent and "MASTER_ADDR" in os.environ:
+        store = _attempt_store(env, timeout_s)
+    elif init_method is None and "MASTER_ADDR" not in os.environ:
         host, port = slurm_rendezvous(os.environ)
         init_method = f"tcp://{host}:{port}"
     try:
-        dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, init_method=None if store else init_method, store=store, rank=env.rank,
+                                world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError) as e:
         raise UserError(f"rank {env.rank} of {env.world_size} could not join the job's process group ({e}): "
                         f"check that every node can reach the rendezvous endpoint") from None
+
+
+def die_with_agent() -> None:
+    """Ask Linux to end this worker when its agent dies: an orphaned worker would wait forever."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 def check_devices(env: DistEnv, device_type: str) -> None:
