@@ -6,7 +6,6 @@ data loader -> training loop -> metrics -> checkpoints -> export -> sample.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,8 @@ from . import models
 from .checkpoint import Checkpointer, model_fingerprint
 from .config import Config
 from .data import Data, DeviceLoader, build_data, first_batches
-from .distributed.parallelize import Parallelized, compile_wanted, parallelize
+from .distributed.parallelize import compile_wanted, parallelize
+from .distributed.parts import Parallelized
 from .execute import Execution, execute
 from .errors import UserError
 from .metrics import count_training_flops, meta_batch

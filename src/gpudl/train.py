@@ -18,7 +18,7 @@ from torch import nn
 
 from .config import TrainConfig
 from .errors import UserError
-from .distributed.parallelize import clip_grad_norm
+from .distributed.parts import clip_grad_norm
 from .precision import Precision
 
 Batch = tuple[torch.Tensor, ...]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 from rich.console import Console
 
 from bodies import TINY

@@ -3,7 +3,7 @@ import torch
 
 from gpudl import models
 from gpudl.metrics import count_training_flops, meta_batch
-from gpudl.models.gpt import GPT, GPTConfig, formula_flops_per_token
+from gpudl.models.gpt import GPTConfig, formula_flops_per_token
 
 # Parameter counts published with torchvision's ImageNet models (1000 classes, ImageNet stem):
 # an independent reference for our ResNets.

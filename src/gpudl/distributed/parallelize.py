@@ -10,54 +10,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ParallelConfig
 from ..errors import UserError
 from .mesh import ParallelDims
-
-
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group: dist.ProcessGroup | None = None
-                   ) -> torch.Tensor:
-    """The global gradient norm (a plain tensor, also for sharded gradients); clip to `max_norm` if > 0.
-
-    `group`: ranks that hold other parameters of the model (pipeline stages); the norm covers theirs
-    too, so that clipping and the finiteness guard decide the same on each of them.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads)
-    if isinstance(norm, DTensor):  # sharded gradients (FSDP, TP): reduce the partial norms to the full one
-        norm = norm.full_tensor()
-    if group is not None:
-        squares = norm.float().square()
-        dist.all_reduce(squares, group=group)
-        norm = squares.sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm
-
-
-@dataclass
-class Parallelized:
-    """A model ready for the loop, and the strategy-specific pieces the loop calls."""
-
-    model: nn.Module
-    # Context around a micro-batch's forward and backward; `last` is the step's last micro-batch.
-    grad_sync: Callable[[bool], AbstractContextManager] = field(default=lambda last: nullcontext())
-    # Global gradient norm (and clipping) over the parameters this rank holds.
-    clip_norm: Callable[[list[torch.Tensor], float], torch.Tensor] = clip_grad_norm
-    # A pipeline runs forward and backward itself: (job, batch, scale) -> detached loss.
-    micro_step: Callable | None = None
-    # A pipeline evaluates through its schedule: (model, batch) -> {"loss": ...}.
-    eval_fn: Callable | None = None
+from .parts import Parallelized
 
 
 def checkpoint_units(model: nn.Module) -> list[nn.Module]:

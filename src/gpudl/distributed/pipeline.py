@@ -31,7 +31,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from ..config import ParallelConfig
 from ..errors import UserError
 from ..models.gpt import GPT, lm_loss
-from .parallelize import Parallelized, clip_grad_norm
+from .parts import Parallelized, clip_grad_norm
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 MULTI_STAGE = {"interleaved-1f1b"}          # schedules that run several stages per rank
