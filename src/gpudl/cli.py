@@ -98,6 +98,9 @@ def _bench_parsers(sub) -> None:
     p.add_argument("--batch-size", type=int, help="samples per step for every model (default: each recipe's)")
     p.add_argument("--out", help="output folder (default: bench/<date>-<time>)")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout (progress on stderr)")
+    p.add_argument("--scaling", action="store_true",
+                   help="instead: train on 1, 2, 4 ... N processes of this machine; throughput and efficiency")
+    p.add_argument("--max-procs", type=int, help="largest process count for --scaling (default: devices or cores)")
 
     p = sub.add_parser("report", parents=[_common(debug_only=True)],
                        help="plots and a Markdown page of a training run: loss, throughput, memory")

@@ -148,11 +148,31 @@ def cmd_bench(args, console: Console) -> int:
 
     if args.json:
         console = Console(stderr=True)  # stdout carries only the JSON
+    if args.scaling:
+        return _bench_scaling(args, console)
     doc = run_bench(models=args.models, config=args.config, sets=args.sets, devices=args.devices,
                     precisions=args.precisions, compile=(False,) if args.no_compile else (False, True),
                     timing=Timing(steps=args.steps, warmup=args.warmup, max_seconds=args.max_seconds),
                     batch_size=args.batch_size, out=args.out,
                     console=console, command=_bench_command(args))
+    if args.json:
+        _print_json(doc)
+    return 0
+
+
+def _bench_scaling(args, console: Console) -> int:
+    from .bench import out_folder
+    from .bench.scaling import run_scaling, scaling_markdown, write_scaling
+
+    if len(args.models) > 1 or len(args.devices) > 1:
+        raise UserError("--scaling studies one model on one kind of device: give at most one --model and --device")
+    folder = out_folder(args.out)
+    console.print("Scaling study: each point is a full gpudl train run ...")
+    doc = run_scaling(model=(args.models or ["gpt-tiny"])[0], sets=args.sets, device=(args.devices or ["auto"])[0],
+                      max_procs=args.max_procs, steps=max(args.steps, 20), console=console)
+    written = write_scaling(doc, folder)
+    console.print(scaling_markdown(doc), markup=False, highlight=False)
+    console.print("Wrote " + ", ".join(str(p) for p in written))
     if args.json:
         _print_json(doc)
     return 0

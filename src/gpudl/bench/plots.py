@@ -63,6 +63,23 @@ def plot_throughput(doc: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
+def plot_scaling(doc: dict, path: Path) -> Path:
+    """Samples/s against processes, beside ideal linear scaling; efficiency on the right axis."""
+    plt = _pyplot()
+    n = [p["processes"] for p in doc["points"]]
+    rate = [p["samples_per_s"] for p in doc["points"]]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+    ax.plot(n, rate, "o-", label="measured")
+    ax.plot(n, [rate[0] * k for k in n], "--", color="grey", label="ideal (linear)")
+    ax.set(xlabel="processes", ylabel="samples/s", title=f"{doc['model']} on {doc['device']}", xticks=n)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    eff = ax.twinx()
+    eff.plot(n, [100 * p["efficiency"] for p in doc["points"]], "s:", color="tab:orange")
+    eff.set(ylabel="efficiency %", ylim=(0, 110))
+    return _save(fig, path)
+
+
 def _where(cell: dict) -> str:
     return f"{cell['device'].split(' (')[0]}\n{cell['precision']}"
 
