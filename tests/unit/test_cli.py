@@ -112,3 +112,17 @@ def test_generate_needs_a_gpt_run(capsys, tmp_path):
 def test_debug_shows_the_traceback(tmp_path):
     out = run_cli("--debug", "train", "--set", "train.batch_size=-4", cwd=tmp_path)
     assert out.returncode != 0 and "Traceback" in out.stderr and "UserError" in out.stderr
+
+
+def test_tensorboard_events_when_installed(tiny):
+    pytest.importorskip("tensorboard")
+    from rich.console import Console
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from gpudl.run import train
+
+    run = train(tiny("run.name=tb", "log.tensorboard=true"), console=Console(quiet=True)).run_dir
+    events = EventAccumulator(str(run / "tb"))
+    events.Reload()
+    assert {"train/loss", "train/mfu", "eval/loss"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6]
