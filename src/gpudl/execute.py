@@ -136,6 +136,7 @@ def summarize(ex: Execution, records: list[dict], wall_s: float) -> dict:
         "final_loss": train[-1]["loss"] if train else float("nan"),
         **({f"val_{k}": v for k, v in evals[-1].items() if k not in ("kind", "step")} if evals else {}),
         "samples_per_s": mean("samples_per_s"), f"{ex.unit}_per_s": mean("units_per_s"), "mfu": mean("mfu"),
+        "processes": ex.session.world, f"{ex.unit}_per_s_per_device": mean("units_per_s") / ex.session.world,
         "step_s": mean("step_s"), "data_wait_frac": mean("data_wait_frac"),
         "peak_mem_gb": peak_memory_bytes(info.torch_device) / 2**30,
         "nonfinite_steps": ex.state.nonfinite_total, "wall_s": wall_s,

@@ -133,3 +133,25 @@ def poison_loss(rank_to_poison: int | None, step: int) -> None:
 def train_poisoned(sets: list[str], rank: int, step: int) -> dict:
     poison_loss(rank, step)
     return train_tiny(sets)
+
+
+def user_model_and_data(seed: int = 0):
+    """A user's own module and tensors, as the README's fit example has them."""
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(512, 8, generator=g), torch.randint(0, 3, (512,), generator=g)
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 3))
+    return net, (x, y)
+
+
+def fit_user_model(batch_size: int, parallel: dict | None = None) -> dict:
+    import torch.nn.functional as F
+
+    import gpudl
+    from gpudl.config import ParallelConfig
+
+    net, data = user_model_and_data()
+    result = gpudl.fit(net, data, loss=F.cross_entropy, max_steps=8, batch_size=batch_size, lr=1e-2,
+                       precision="fp32", log_every=1, quiet=True, parallel=ParallelConfig(**(parallel or {})))
+    return {"losses": [r["loss"] for r in result.records if r["kind"] == "train"],
+            "params": full_params(result.model)}

@@ -34,10 +34,13 @@ class DatasetBatches:
 
 
 class IterableBatches:
-    """Batches from any iterable (a DataLoader, say), started again when it runs out."""
+    """Batches from any iterable (a DataLoader, say), started again when it runs out.
 
-    def __init__(self, batches: Iterable):
-        self.batches = batches
+    With several data-parallel ranks, rank r takes items r, r + world, r + 2 world, ...
+    """
+
+    def __init__(self, batches: Iterable, rank: int = 0, world: int = 1):
+        self.batches, self.rank, self.world = batches, rank, world
         self._it, self._next_k = iter(batches), 0
 
     def _advance(self):
@@ -52,10 +55,11 @@ class IterableBatches:
         return item
 
     def batch(self, k: int) -> tuple[torch.Tensor, ...]:
-        if k != self._next_k:  # asked out of order: replay from the start up to batch k
+        item_k = k * self.world + self.rank  # the item of the whole stream this rank trains on
+        if item_k < self._next_k:  # asked out of order: replay from the start
             self._it, self._next_k = iter(self.batches), 0
-            for _ in range(k):
-                self._advance()
+        while self._next_k < item_k:
+            self._advance()
         item = self._advance()
         return tuple(item) if isinstance(item, (list, tuple)) else (item,)
 
@@ -67,6 +71,6 @@ def as_batch_source(data, batch_size: int, seed: int, rank: int = 0, world: int 
     if isinstance(data, Dataset) and hasattr(data, "__len__") and hasattr(data, "__getitem__"):
         return DatasetBatches(data, batch_size, seed, rank, world)
     if isinstance(data, Iterable):
-        return IterableBatches(data)
+        return IterableBatches(data, rank, world)
     raise UserError(f"cannot train on a {type(data).__name__}: pass a Dataset, a tuple of tensors (inputs, targets) "
                     f"or an iterable of batches")

@@ -22,15 +22,21 @@ from .mesh import ParallelDims
 from .parts import Parallelized
 
 
-def checkpoint_units(model: nn.Module) -> list[nn.Module]:
-    """The blocks of a model: its own list, else its largest ModuleList."""
+def block_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks of a model: its own list, else its largest ModuleList, else none."""
     if hasattr(model, "activation_checkpoint_units"):
         return list(model.activation_checkpoint_units())
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
+    return list(max(lists, key=len)) if lists else []
+
+
+def checkpoint_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks whose activations are recomputed; a model without any cannot be checkpointed."""
+    units = block_units(model)
+    if not units:
         raise UserError("train.activation_checkpointing needs a model with a list of blocks (an nn.ModuleList, "
                         "or an activation_checkpoint_units() method): add one or turn it off")
-    return list(max(lists, key=len))
+    return units
 
 
 def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
@@ -72,7 +78,7 @@ def _data_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, preci
         from .fsdp import apply_fsdp, fsdp_grad_sync
 
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        model = apply_fsdp(model, checkpoint_units(model), dp_mesh, precision_name,
+        model = apply_fsdp(model, block_units(model), dp_mesh, precision_name,
                            cfg.fsdp_reshard_after_forward, cfg.fsdp_cpu_offload)
         return Parallelized(model, grad_sync=fsdp_grad_sync(model))
     if dims.dp_replicate > 1:
