@@ -13,6 +13,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 
+def _settle_partial_grads(params: list[torch.Tensor]) -> None:
+    """Sum gradients that are still partial sums over ranks (a replicated weight used on sequence
+    shards under tensor parallelism) into the parameter's own layout, before norms and updates.
+    Some torch releases do this inside the optimizer and some (2.11) do not: do it here, once."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(g.device_mesh, p.placements)
+
+
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group: dist.ProcessGroup | None = None
                    ) -> torch.Tensor:
     """The global gradient norm (a plain tensor, also for sharded gradients); clip to `max_norm` if > 0.
@@ -20,6 +30,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group: dist.Proc
     `group`: ranks that hold other parameters of the model (pipeline stages); the norm covers theirs
     too, so that clipping and the finiteness guard decide the same on each of them.
     """
+    _settle_partial_grads(params)
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads)
     if isinstance(norm, DTensor):  # sharded gradients (FSDP, TP): reduce the partial norms to the full one
