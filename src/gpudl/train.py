@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+import warnings
 from typing import Protocol
 
 import torch
@@ -120,6 +121,17 @@ def evaluate(job: Job) -> dict[str, float]:
     return {k: float(v) / max(n, 1) for k, v in sums.items()}
 
 
+def advance_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer_stepped: bool) -> None:
+    """One step of the schedule, also for a skipped step, so that it stays in step with `state.step`
+    (torch warns when the very first step is skipped; that order is intended here)."""
+    if optimizer_stepped:
+        scheduler.step()
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        scheduler.step()
+
+
 def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
@@ -135,7 +147,7 @@ def train_loop(job: Job, cfg: TrainConfig, state: TrainState, events: Events) ->
         job.precision.step(job.optimizer, finite)  # a non-finite step leaves weights and moments untouched
         job.optimizer.zero_grad(set_to_none=True)
         lr = job.scheduler.get_last_lr()[0]
-        job.scheduler.step()
+        advance_schedule(job.scheduler, finite)
         state.step += 1
         events.on_step(state, loss, grad_norm, lr)
         if job.eval_batches is not None and _due(state.step, cfg.eval_every, cfg.max_steps):
