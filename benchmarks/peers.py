@@ -1,6 +1,6 @@
 """gpudl against a minimal raw PyTorch loop, Lightning Fabric and Hugging Face Accelerate, in one process.
 
-Same model (gpt-tiny), same data, interleaved rounds: every round runs each tool for a few steps, in
+Same model (gpt-tiny by default; any preset with --model), same synthetic data, interleaved rounds: every round runs each tool for a few steps, in
 an order that rotates from round to round, so that whatever else the machine does falls on all of
 them alike. Only medians over many rounds mean anything on a shared machine. Two comparisons:
 
@@ -19,6 +19,7 @@ dependencies of gpudl) and reported as skipped otherwise.
 
     python benchmarks/peers.py
     python benchmarks/peers.py --rounds 40 --steps 5 --only identical
+    python benchmarks/peers.py --model resnet18 --rounds 15
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def gpudl_steps(job: Job, batches: Callable[[], object], steps: int, batch_size:
 
 # --- 1. identical settings: one model, optimizer, scheduler and batch list, driven by each tool ---------
 
-def identical_tools(model, opt, sched, prec, batches: list, device: torch.device, steps: int, batch: int) -> dict:
+def identical_tools(model, loss_fn, opt, sched, prec, batches: list, device: torch.device, steps: int,
+                    batch: int) -> dict:
     tools = {}
 
     scaler = torch.amp.GradScaler(device.type) if prec.name == "fp16-mixed" else None
@@ -94,7 +96,7 @@ def identical_tools(model, opt, sched, prec, batches: list, device: torch.device
     def raw():  # the loop a person writes by hand
         for b in batches:
             with torch.autocast(device.type, dtype=prec.autocast_dtype, enabled=prec.autocast_dtype is not None):
-                loss = model(*b)
+                loss = loss_fn(model, b)
             if scaler is None:
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -108,17 +110,16 @@ def identical_tools(model, opt, sched, prec, batches: list, device: torch.device
             opt.zero_grad(set_to_none=True)
             sched.step()
     tools["raw PyTorch"] = raw
-    job = Job(model=model, loss_fn=lambda m, b: m(*b), optimizer=opt, scheduler=sched, precision=prec,
-              batches=iter(()))
+    job = Job(model=model, loss_fn=loss_fn, optimizer=opt, scheduler=sched, precision=prec, batches=iter(()))
     tools["gpudl"] = gpudl_steps(job, lambda: iter(batches), steps, batch)
     if installed("lightning") and prec.name in FABRIC_PRECISION:
-        tools["Lightning Fabric"] = _fabric_identical(model, opt, sched, prec, batches, device)
+        tools["Lightning Fabric"] = _fabric_identical(model, loss_fn, opt, sched, prec, batches, device)
     if installed("accelerate") and prec.name in ACCELERATE_PRECISION:
-        tools["HF Accelerate"] = _accelerate_identical(model, opt, sched, prec, batches, device)
+        tools["HF Accelerate"] = _accelerate_identical(model, loss_fn, opt, sched, prec, batches, device)
     return tools
 
 
-def _fabric_identical(model, opt, sched, prec, batches, device):
+def _fabric_identical(model, loss_fn, opt, sched, prec, batches, device):
     from lightning.fabric import Fabric
 
     fabric = Fabric(accelerator=device.type, devices=1, precision=FABRIC_PRECISION[prec.name])
@@ -126,7 +127,7 @@ def _fabric_identical(model, opt, sched, prec, batches, device):
 
     def run():
         for b in batches:
-            fabric.backward(fmodel(*b))
+            fabric.backward(loss_fn(fmodel, b))
             fabric.clip_gradients(fmodel, fopt, max_norm=1.0)
             fopt.step()
             fopt.zero_grad(set_to_none=True)
@@ -134,7 +135,7 @@ def _fabric_identical(model, opt, sched, prec, batches, device):
     return run
 
 
-def _accelerate_identical(model, opt, sched, prec, batches, device):
+def _accelerate_identical(model, loss_fn, opt, sched, prec, batches, device):
     from accelerate import Accelerator
 
     acc = Accelerator(cpu=device.type == "cpu", mixed_precision=ACCELERATE_PRECISION[prec.name])
@@ -147,7 +148,7 @@ def _accelerate_identical(model, opt, sched, prec, batches, device):
             model.forward = accelerate_forward
         try:
             for b in batches:
-                acc.backward(amodel(*b))
+                acc.backward(loss_fn(amodel, b))
                 acc.clip_grad_norm_(amodel.parameters(), 1.0)
                 aopt.step()
                 asched.step()
@@ -173,22 +174,22 @@ def defaults_tools(spec, data: tuple[torch.Tensor, torch.Tensor], device: torch.
         model = models.build(spec, device, seed=0)
         return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
-    tools = {"raw PyTorch": _raw_defaults(*fresh(), loader(), device, steps),
+    loss_fn = models.loss_for(spec)
+    tools = {"raw PyTorch": _raw_defaults(*fresh(), loss_fn, loader(), device, steps),
              "gpudl": _gpudl_defaults(spec, data, device, steps, batch)}
     if installed("lightning"):
-        tools["Lightning Fabric"] = _fabric_defaults(*fresh(), loader(), steps)
+        tools["Lightning Fabric"] = _fabric_defaults(*fresh(), loss_fn, loader(), steps)
     if installed("accelerate"):
-        tools["HF Accelerate"] = _accelerate_defaults(*fresh(), loader(), steps)
+        tools["HF Accelerate"] = _accelerate_defaults(*fresh(), loss_fn, loader(), steps)
     return tools
 
 
-def _raw_defaults(model, opt, loader, device, steps):
+def _raw_defaults(model, opt, loss_fn, loader, device, steps):
     it = _epochs(loader)
 
     def run():
         for _ in range(steps):
-            x, y = (t.to(device) for t in next(it))
-            model(x, y).backward()
+            loss_fn(model, [t.to(device) for t in next(it)]).backward()
             opt.step()
             opt.zero_grad()
     return run
@@ -202,7 +203,7 @@ def _gpudl_defaults(spec, data, device: torch.device, steps: int, batch: int):
     placed = parallelize(model, activation_checkpointing=False, compile=compile_wanted("auto", device.type))
     optim_cfg = OptimConfig(lr=LR, warmup_steps=0)
     opt = make_optimizer(placed.model, optim_cfg, device.type)
-    job = Job(model=placed.model, loss_fn=lambda m, b: m(*b), optimizer=opt, precision=prec,
+    job = Job(model=placed.model, loss_fn=models.loss_for(spec), optimizer=opt, precision=prec,
               scheduler=make_scheduler(opt, optim_cfg, 10**9), batches=iter(()))
     loader = DeviceLoader(as_batch_source(data, batch, seed=0), device)
     print(f"gpudl defaults: precision {prec.name} ({prec.reason}); compile "
@@ -210,7 +211,7 @@ def _gpudl_defaults(spec, data, device: torch.device, steps: int, batch: int):
     return gpudl_steps(job, lambda: loader, steps, batch)
 
 
-def _fabric_defaults(model, opt, loader, steps):
+def _fabric_defaults(model, opt, loss_fn, loader, steps):
     from lightning.fabric import Fabric
 
     fabric = Fabric()
@@ -219,13 +220,13 @@ def _fabric_defaults(model, opt, loader, steps):
 
     def run():
         for _ in range(steps):
-            fabric.backward(fmodel(*next(it)))
+            fabric.backward(loss_fn(fmodel, next(it)))
             fopt.step()
             fopt.zero_grad()
     return run
 
 
-def _accelerate_defaults(model, opt, loader, steps):
+def _accelerate_defaults(model, opt, loss_fn, loader, steps):
     from accelerate import Accelerator
 
     acc = Accelerator()
@@ -234,7 +235,7 @@ def _accelerate_defaults(model, opt, loader, steps):
 
     def run():
         for _ in range(steps):
-            acc.backward(amodel(*next(it)))
+            acc.backward(loss_fn(amodel, next(it)))
             aopt.step()
             aopt.zero_grad()
     return run
@@ -286,6 +287,15 @@ def report_gpudl_over(times: dict[str, list[float]]) -> None:
             print(f"    over {name:<18} {mid:.2f}x (quartiles {lo:.2f}x .. {hi:.2f}x)")
 
 
+def synthetic_data(spec: models.ModelSpec, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`n` random samples of the model's input: token windows (next-token targets) or 32x32 images."""
+    g, c = torch.Generator().manual_seed(0), spec.config
+    if spec.is_language_model:
+        tokens = torch.randint(0, c.vocab_size, (n, c.block_size + 1), generator=g)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return torch.randn(n, c.in_channels, 32, 32, generator=g), torch.randint(0, c.num_classes, (n,), generator=g)
+
+
 def main() -> None:
     args = parse()
     info = detect(args.device)
@@ -298,10 +308,8 @@ def main() -> None:
     print(f"Using device: {info.label} · {args.model} · batch {args.batch_size} · {args.rounds} rounds x "
           f"{args.steps} steps per tool · torch {torch.__version__}"
           + (f" · skipped (not installed): {', '.join(skipped)}" if skipped else ""))
-    g = torch.Generator().manual_seed(0)
-    block, samples = spec.config.block_size, args.batch_size * args.steps
-    tokens = torch.randint(0, spec.config.vocab_size, (args.batch_size * 64, block + 1), generator=g)
-    data = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    samples = args.batch_size * args.steps
+    data = synthetic_data(spec, args.batch_size * 64)
     if args.only in (None, "identical"):
         prec = make_precision("auto", info)
         model = models.build(spec, dev, prec.param_dtype, seed=0)
@@ -309,7 +317,8 @@ def main() -> None:
         sched = make_scheduler(opt, OptimConfig(lr=LR), 10**9)
         batches = [tuple(t[i * args.batch_size:(i + 1) * args.batch_size].to(dev) for t in data)
                    for i in range(args.steps)]
-        tools = identical_tools(model, opt, sched, prec, batches, dev, args.steps, args.batch_size)
+        tools = identical_tools(model, models.loss_for(spec), opt, sched, prec, batches, dev, args.steps,
+                                args.batch_size)
         times = rounds(tools, dev, args.rounds, args.warmup_rounds)
         report(f"1. identical settings ({prec.name}, same model/optimizer/batches on the device)", times, samples,
                "raw PyTorch")

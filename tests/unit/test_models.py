@@ -79,6 +79,24 @@ def test_resnet_forward_shapes(small_stem, size):
     assert m(torch.randn(2, 3, size, size)).shape == (2, 7)
 
 
+def test_resnet_channels_last_is_a_layout_only():
+    """Same weights, same loss and gradients as the plain (NCHW) model; only the strides differ."""
+    def build(channels_last):
+        return models.build(models.resolve("resnet18", {"channels_last": channels_last, "width": 16}),
+                            torch.device("cpu"), seed=3)
+    nhwc, nchw = build(True), build(False)
+    assert nhwc.stem[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert not nchw.stem[0].weight.is_contiguous(memory_format=torch.channels_last)
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    loss = models.loss_for(models.resolve("resnet18"))
+    losses = [loss(m, (x, y)) for m in (nhwc, nchw)]
+    for m, value in zip((nhwc, nchw), losses):
+        value.backward()
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
+    for (name, a), b in zip(nhwc.named_parameters(), nchw.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("name", ["gpt-tiny", "gpt2-124m", "gpt-1b"])
 def test_counted_flops_match_the_gpt_formula(name):
     """flop_counter over forward+backward on the meta device vs 6N + 12*L*H*Q*T per token."""

@@ -31,6 +31,8 @@ class ResNetConfig:
     in_channels: int = option(3, "image channels", ge=1)
     small_stem: bool = option(True, "3x3 stride-1 stem for small images (32x32); false: ImageNet stem")
     width: int = option(64, "channels of the first stage", ge=8)
+    channels_last: bool = option(True, "keep convolution weights, and so activations, in channels-last (NHWC) "
+                                       "layout: the layout oneDNN and tensor-core convolutions run fastest in")
 
     def __post_init__(self):
         if self.depth not in LAYOUTS:
@@ -103,6 +105,9 @@ class ResNet(nn.Module):
                 m.reset_parameters()
         for b in self.blocks:
             nn.init.zeros_(b.body[-1].weight)
+        if self.cfg.channels_last:
+            # Weights in NHWC make every convolution produce NHWC; the input is converted by the first.
+            self.to(memory_format=torch.channels_last)
 
     def activation_checkpoint_units(self) -> list[nn.Module]:
         return list(self.blocks)
