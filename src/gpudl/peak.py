@@ -102,3 +102,22 @@ def peak_key(precision_policy: str, tf32: bool = False) -> str:
     if precision_policy.startswith("fp16"):
         return "fp16"
     return "tf32" if tf32 else "fp32"
+
+
+def measure_cpu_peaks_for_workers(threads: int) -> None:
+    """Measure (and cache) the CPU's peaks at the thread count each CPU worker will run with.
+
+    Called by the launcher before it starts the workers: measured by each worker instead, the
+    probes would run side by side on shared cores and cache figures that are too low, for every
+    later run's MFU and `precision = "auto"`.
+    """
+    from .device import cpu_info
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        info = cpu_info()
+        for precision in info.precisions():
+            measured_peak_flops(info, precision)
+    finally:
+        torch.set_num_threads(before)

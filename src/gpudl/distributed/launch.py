@@ -95,12 +95,17 @@ def torchrun_argv(args: LaunchArgs, worker_argv: list[str]) -> list[str]:
 
 def launch(args: LaunchArgs, worker_argv: list[str]) -> int:
     """Run the job; returns the exit status (a failed worker's, or 1)."""
+    import torch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
+
+    from ..peak import measure_cpu_peaks_for_workers
 
     if args.rdzv_endpoint and args.nnodes > 1:
         wait_for_endpoint(args.rdzv_endpoint)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
+    if not torch.accelerator.is_available():  # the workers train on the CPU
+        measure_cpu_peaks_for_workers(int(os.environ["OMP_NUM_THREADS"]))
     try:
         run(get_args_parser().parse_args(torchrun_argv(args, worker_argv)))
     except ChildFailedError as e:
