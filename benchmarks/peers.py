@@ -1,8 +1,9 @@
-"""gpudl against a minimal raw PyTorch loop, Lightning Fabric and Hugging Face Accelerate, in one process.
+"""gpudl against a minimal raw PyTorch loop, Lightning Fabric and Hugging Face Accelerate, interleaved.
 
-Same model (gpt-tiny by default; any preset with --model), same synthetic data, interleaved rounds: every round runs each tool for a few steps, in
-an order that rotates from round to round, so that whatever else the machine does falls on all of
-them alike. Only medians over many rounds mean anything on a shared machine. Two comparisons:
+Same model (gpt-tiny by default; any preset with --model), same synthetic data, interleaved rounds:
+every round runs each tool for a few steps, in an order that rotates from round to round, so that
+whatever else the machine does falls on all of them alike. Only medians over many rounds mean
+anything on a shared machine. Two comparisons, each in a process of its own:
 
 1. Identical settings: every tool drives the very same model, optimizer and scheduler objects over
    the same batches, already on the device, at the precision gpudl picks for the device (separate
@@ -27,6 +28,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -62,7 +65,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--steps", type=int, default=5, help="steps per tool per round")
     p.add_argument("--warmup-rounds", type=int, default=1, help="rounds run first and not counted (compile, caches)")
-    p.add_argument("--only", choices=["identical", "defaults"], help="run one of the two comparisons")
+    p.add_argument("--only", choices=["identical", "defaults"],
+                   help="run one of the two comparisons (without it: both, each in a process of its own)")
     return p.parse_args()
 
 
@@ -230,6 +234,7 @@ def _accelerate_defaults(model, opt, loss_fn, loader, steps):
     from accelerate import Accelerator
 
     acc = Accelerator()
+    print(f"HF Accelerate defaults: mixed precision {acc.mixed_precision!r}")
     amodel, aopt, aloader = acc.prepare(model, opt, loader)
     it = _epochs(aloader)
 
@@ -298,6 +303,12 @@ def synthetic_data(spec: models.ModelSpec, n: int) -> tuple[torch.Tensor, torch.
 
 def main() -> None:
     args = parse()
+    if args.only is None:
+        # One process per comparison: Accelerate keeps its precision in process-wide state, so an
+        # Accelerator made for the identical settings would set the precision of its "defaults" too.
+        for part in ("identical", "defaults"):
+            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", part], check=True)
+        return
     info = detect(args.device)
     dev = info.torch_device
     if info.type == "cpu":
@@ -310,7 +321,7 @@ def main() -> None:
           + (f" · skipped (not installed): {', '.join(skipped)}" if skipped else ""))
     samples = args.batch_size * args.steps
     data = synthetic_data(spec, args.batch_size * 64)
-    if args.only in (None, "identical"):
+    if args.only == "identical":
         prec = make_precision("auto", info)
         model = models.build(spec, dev, prec.param_dtype, seed=0)
         opt = make_optimizer(model, OptimConfig(lr=LR), dev.type)
@@ -322,7 +333,7 @@ def main() -> None:
         times = rounds(tools, dev, args.rounds, args.warmup_rounds)
         report(f"1. identical settings ({prec.name}, same model/optimizer/batches on the device)", times, samples,
                "raw PyTorch")
-    if args.only in (None, "defaults"):
+    if args.only == "defaults":
         tools = defaults_tools(spec, data, dev, args.steps, args.batch_size)
         times = rounds(tools, dev, args.rounds, args.warmup_rounds)
         report("2. each tool's defaults (own model, optimizer and data path)", times, samples, "raw PyTorch")
