@@ -9,11 +9,14 @@ anything on a shared machine. Two comparisons, each in a process of its own:
    the same batches, already on the device, at the precision gpudl picks for the device (separate
    copies differ by a few percent on their own: memory placement). Per tool: its time over raw
    PyTorch's in the same round. gpudl's goal: at most 1% slower than raw PyTorch.
-2. Each tool's defaults: each builds its own model (same seed) and optimizer, and reads the same
-   tensors through its own data path, the way its documentation starts a user off: raw PyTorch and
-   the others in fp32 with `torch.optim.AdamW` and a `DataLoader`; gpudl as `gpudl.fit` sets itself
-   up (automatic precision and compile, fused AdamW, prefetching loader, clipping, metrics). Per
-   tool: samples/s, and gpudl's over each other tool's in the same round. gpudl's goal: 1.5x.
+2. Each tool's defaults: each tool runs in a process of its own (so that process-wide settings,
+   such as gpudl's allocator tuning on the CPU or Accelerate's state, stay with the tool that made
+   them), builds its own model (same seed) and optimizer, and reads the same tensors through its
+   own data path, the way its documentation starts a user off: raw PyTorch and the others in fp32
+   with `torch.optim.AdamW` and a `DataLoader`; gpudl as `gpudl.fit` sets itself up (automatic
+   precision and compile, fused AdamW, prefetching loader, clipping, metrics, host allocator). The
+   processes take turns, one at a time, as the rounds rotate. Per tool: samples/s, and gpudl's
+   over each other tool's in the same round. gpudl's goal: 1.5x.
 
 Fabric and Accelerate are measured when installed (`pip install lightning accelerate`, not
 dependencies of gpudl) and reported as skipped otherwise.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import multiprocessing as mp
 import statistics
 import subprocess
 import sys
@@ -54,6 +58,7 @@ from gpudl.train import Job, TrainState, train_loop
 
 LR = 3e-3
 FABRIC_PRECISION = {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "fp16-mixed": "16-mixed", "bf16-true": "bf16-true"}
+PEERS = (("Lightning Fabric", "lightning"), ("HF Accelerate", "accelerate"))  # (name, module)
 ACCELERATE_PRECISION = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 
 
@@ -169,23 +174,47 @@ def _epochs(loader):
         yield from loader
 
 
-def defaults_tools(spec, data: tuple[torch.Tensor, torch.Tensor], device: torch.device, steps: int,
-                   batch: int) -> dict:
-    def loader():
-        return DataLoader(TensorDataset(*data), batch_size=batch, shuffle=True, drop_last=True)
-
-    def fresh():  # fp32, default AdamW: what each of the others starts from
-        model = models.build(spec, device, seed=0)
-        return model, torch.optim.AdamW(model.parameters(), lr=LR)
-
-    loss_fn = models.loss_for(spec)
-    tools = {"raw PyTorch": _raw_defaults(*fresh(), loss_fn, loader(), device, steps),
-             "gpudl": _gpudl_defaults(spec, data, device, steps, batch)}
-    if installed("lightning"):
-        tools["Lightning Fabric"] = _fabric_defaults(*fresh(), loss_fn, loader(), steps)
-    if installed("accelerate"):
-        tools["HF Accelerate"] = _accelerate_defaults(*fresh(), loss_fn, loader(), steps)
+def defaults_tools(spec_name: str, device: str, steps: int, batch: int) -> dict:
+    """One worker process per installed tool, each waiting for its turn; see `_defaults_worker`."""
+    names = ["raw PyTorch", "gpudl"] + [name for name, module in PEERS if installed(module)]
+    ctx = mp.get_context("spawn")
+    tools = {}
+    for name in names:
+        ours, theirs = ctx.Pipe()
+        ctx.Process(target=_defaults_worker, args=(name, spec_name, device, steps, batch, theirs),
+                    daemon=True).start()
+        print(ours.recv())  # the worker's line on its set-up: it is ready
+        tools[name] = _remote(ours)
     return tools
+
+
+def _remote(conn) -> Callable[[], float]:
+    def run() -> float:
+        conn.send("go")
+        return conn.recv()
+    return run
+
+
+def _defaults_worker(name: str, spec_name: str, device: str, steps: int, batch: int, conn) -> None:
+    """Build `name`'s set-up in this process, then run `steps` steps per "go" and send back the seconds."""
+    dev = detect(device).torch_device
+    spec = models.resolve(spec_name)
+    data = synthetic_data(spec, batch * 64)
+    loader = DataLoader(TensorDataset(*data), batch_size=batch, shuffle=True, drop_last=True)
+    if name == "gpudl":
+        run, setup = _gpudl_defaults(spec, data, dev, steps, batch)
+    else:  # fp32, default AdamW: what each of the others starts from
+        model = models.build(spec, dev, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        make = {"raw PyTorch": _raw_defaults, "Lightning Fabric": _fabric_defaults,
+                "HF Accelerate": _accelerate_defaults}[name]
+        run, setup = make(model, opt, models.loss_for(spec), loader, dev, steps)
+    conn.send(f"{name} defaults: {setup}")
+    try:
+        while conn.recv() == "go":
+            conn.send(timed(run, dev))
+    except EOFError:  # the coordinator is done
+        pass
 
 
 def _raw_defaults(model, opt, loss_fn, loader, device, steps):
@@ -196,12 +225,14 @@ def _raw_defaults(model, opt, loss_fn, loader, device, steps):
             loss_fn(model, [t.to(device) for t in next(it)]).backward()
             opt.step()
             opt.zero_grad()
-    return run
+    return run, "fp32, torch.optim.AdamW, DataLoader"
 
 
 def _gpudl_defaults(spec, data, device: torch.device, steps: int, batch: int):
     """Set up as `gpudl.fit` sets itself up, with every setting left at its default."""
     info = detect(str(device))
+    if info.type == "cpu":
+        keep_freed_memory()  # what a gpudl run does on the CPU (run.keep_host_memory)
     prec = make_precision("auto", info)
     model = models.build(spec, device, prec.param_dtype, seed=0)
     placed = parallelize(model, activation_checkpointing=False, compile=compile_wanted("auto", device.type))
@@ -210,12 +241,12 @@ def _gpudl_defaults(spec, data, device: torch.device, steps: int, batch: int):
     job = Job(model=placed.model, loss_fn=models.loss_for(spec), optimizer=opt, precision=prec,
               scheduler=make_scheduler(opt, optim_cfg, 10**9), batches=iter(()))
     loader = DeviceLoader(as_batch_source(data, batch, seed=0), device)
-    print(f"gpudl defaults: precision {prec.name} ({prec.reason}); compile "
-          f"{'on' if compile_wanted('auto', device.type) else 'off'}; AdamW fused={opt.defaults.get('fused')}")
-    return gpudl_steps(job, lambda: loader, steps, batch)
+    setup = (f"precision {prec.name} ({prec.reason}); compile "
+             f"{'on' if compile_wanted('auto', device.type) else 'off'}; AdamW fused={opt.defaults.get('fused')}")
+    return gpudl_steps(job, lambda: loader, steps, batch), setup
 
 
-def _fabric_defaults(model, opt, loss_fn, loader, steps):
+def _fabric_defaults(model, opt, loss_fn, loader, device, steps):
     from lightning.fabric import Fabric
 
     fabric = Fabric()
@@ -227,14 +258,13 @@ def _fabric_defaults(model, opt, loss_fn, loader, steps):
             fabric.backward(loss_fn(fmodel, next(it)))
             fopt.step()
             fopt.zero_grad()
-    return run
+    return run, f"precision {fabric._precision.precision!r}"
 
 
-def _accelerate_defaults(model, opt, loss_fn, loader, steps):
+def _accelerate_defaults(model, opt, loss_fn, loader, device, steps):
     from accelerate import Accelerator
 
     acc = Accelerator()
-    print(f"HF Accelerate defaults: mixed precision {acc.mixed_precision!r}")
     amodel, aopt, aloader = acc.prepare(model, opt, loader)
     it = _epochs(aloader)
 
@@ -243,24 +273,29 @@ def _accelerate_defaults(model, opt, loss_fn, loader, steps):
             acc.backward(loss_fn(amodel, next(it)))
             aopt.step()
             aopt.zero_grad()
-    return run
+    return run, f"mixed precision {acc.mixed_precision!r}"
 
 
 # --- rounds -----------------------------------------------------------------------------------------
 
-def rounds(tools: dict, device: torch.device, n: int, warmup: int) -> dict[str, list[float]]:
-    """Seconds per round for each tool; the order rotates every round."""
+def timed(run: Callable[[], None], device: torch.device) -> float:
+    synchronize(device)
+    t0 = time.perf_counter()
+    run()
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
+def rounds(tools: dict[str, Callable[[], float]], n: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds per round for each tool (each call returns its own); the order rotates every round."""
     names = list(tools)
     times = {name: [] for name in names}
     for r in range(warmup + n):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            synchronize(device)
-            t0 = time.perf_counter()
-            tools[name]()
-            synchronize(device)
+            seconds = tools[name]()
             if r >= warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(seconds)
     return times
 
 
@@ -310,34 +345,39 @@ def main() -> None:
             subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", part], check=True)
         return
     info = detect(args.device)
-    dev = info.torch_device
-    if info.type == "cpu":
-        keep_freed_memory()  # what a gpudl run does on the CPU; every tool shares this process and gets it
-    spec = models.resolve(args.model)
-    peers = (("Lightning Fabric", "lightning"), ("HF Accelerate", "accelerate"))
-    skipped = [name for name, module in peers if not installed(module)]
+    skipped = [name for name, module in PEERS if not installed(module)]
     print(f"Using device: {info.label} · {args.model} · batch {args.batch_size} · {args.rounds} rounds x "
           f"{args.steps} steps per tool · torch {torch.__version__}"
           + (f" · skipped (not installed): {', '.join(skipped)}" if skipped else ""))
     samples = args.batch_size * args.steps
-    data = synthetic_data(spec, args.batch_size * 64)
     if args.only == "identical":
-        prec = make_precision("auto", info)
-        model = models.build(spec, dev, prec.param_dtype, seed=0)
-        opt = make_optimizer(model, OptimConfig(lr=LR), dev.type)
-        sched = make_scheduler(opt, OptimConfig(lr=LR), 10**9)
-        batches = [tuple(t[i * args.batch_size:(i + 1) * args.batch_size].to(dev) for t in data)
-                   for i in range(args.steps)]
-        tools = identical_tools(model, models.loss_for(spec), opt, sched, prec, batches, dev, args.steps,
-                                args.batch_size)
-        times = rounds(tools, dev, args.rounds, args.warmup_rounds)
-        report(f"1. identical settings ({prec.name}, same model/optimizer/batches on the device)", times, samples,
+        times, prec = compare_identical(args, info)
+        report(f"1. identical settings ({prec}, same model/optimizer/batches on the device)", times, samples,
                "raw PyTorch")
-    if args.only == "defaults":
-        tools = defaults_tools(spec, data, dev, args.steps, args.batch_size)
-        times = rounds(tools, dev, args.rounds, args.warmup_rounds)
-        report("2. each tool's defaults (own model, optimizer and data path)", times, samples, "raw PyTorch")
+    else:
+        tools = defaults_tools(args.model, args.device, args.steps, args.batch_size)
+        times = rounds(tools, args.rounds, args.warmup_rounds)
+        report("2. each tool's defaults (own process, model, optimizer and data path)", times, samples,
+               "raw PyTorch")
         report_gpudl_over(times)
+
+
+def compare_identical(args: argparse.Namespace, info) -> tuple[dict[str, list[float]], str]:
+    dev = info.torch_device
+    if info.type == "cpu":
+        keep_freed_memory()  # what a gpudl run does on the CPU; every tool shares this process and gets it
+    spec = models.resolve(args.model)
+    data = synthetic_data(spec, args.batch_size * args.steps)
+    prec = make_precision("auto", info)
+    model = models.build(spec, dev, prec.param_dtype, seed=0)
+    opt = make_optimizer(model, OptimConfig(lr=LR), dev.type)
+    sched = make_scheduler(opt, OptimConfig(lr=LR), 10**9)
+    batches = [tuple(t[i * args.batch_size:(i + 1) * args.batch_size].to(dev) for t in data)
+               for i in range(args.steps)]
+    tools = identical_tools(model, models.loss_for(spec), opt, sched, prec, batches, dev, args.steps,
+                            args.batch_size)
+    timed_tools = {name: (lambda run=run: timed(run, dev)) for name, run in tools.items()}
+    return rounds(timed_tools, args.rounds, args.warmup_rounds), prec.name
 
 
 if __name__ == "__main__":

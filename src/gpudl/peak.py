@@ -21,6 +21,7 @@ import torch
 from .device import DeviceInfo, synchronize
 from .paths import cache_dir
 
+PEAK_FILE = "peak_flops.json"
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -34,25 +35,37 @@ def _matmul_precision(precision: str):
         torch.set_float32_matmul_precision(before)
 
 
-def probe_matmul_flops(device: torch.device, precision: str, n: int, min_seconds: float = 0.2) -> float:
-    """Best FLOP/s of an n x n x n matmul over a few timed rounds."""
+def probe_matmul_flops(device: torch.device, precisions: list[str], n: int,
+                       min_seconds: float = 0.3) -> dict[str, float]:
+    """Best FLOP/s of an n x n x n matmul at each precision, over timed rounds that take turns.
+
+    The precisions alternate, a few matmuls each, for `min_seconds` apiece: a busy moment on a
+    shared machine then slows all of them alike instead of one, and the ratio between them (which
+    `precision = "auto"` decides on) stays true.
+    """
     g = torch.Generator().manual_seed(0)  # a private generator: probing must not move the run's RNG
-    a, b = (torch.randn(n, n, generator=g).to(device, DTYPES[precision]) for _ in range(2))
-    with _matmul_precision(precision):
-        for _ in range(2):
-            torch.mm(a, b)
-        synchronize(device)
-        best, spent = 0.0, 0.0
-        while spent < min_seconds or best == 0.0:
-            reps = 3
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                torch.mm(a, b)
-            synchronize(device)
-            dt = time.perf_counter() - t0
+    ab = {p: [torch.randn(n, n, generator=g).to(device, DTYPES[p]) for _ in range(2)] for p in precisions}
+    best = dict.fromkeys(precisions, 0.0)
+    spent = 0.0
+    for p in precisions:  # warm-up: kernels chosen, caches filled
+        with _matmul_precision(p):
+            torch.mm(*ab[p]), torch.mm(*ab[p])
+    while spent < min_seconds * len(precisions):
+        for p in precisions:
+            with _matmul_precision(p):
+                dt = _time_matmuls(device, *ab[p], reps=3)
             spent += dt
-            best = max(best, 2 * n**3 * reps / dt)
+            best[p] = max(best[p], 2 * n**3 * 3 / dt)
     return best
+
+
+def _time_matmuls(device: torch.device, a: torch.Tensor, b: torch.Tensor, reps: int) -> float:
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, b)
+    synchronize(device)
+    return time.perf_counter() - t0
 
 
 def _cache_key(info: DeviceInfo, precision: str) -> str:
@@ -87,12 +100,23 @@ def cached_measurement(file_name: str, info: DeviceInfo, what: str, measure, use
 
 
 def measured_peak_flops(info: DeviceInfo, precision: str, use_cache: bool = True) -> float:
-    """Peak FLOP/s of `info`'s device at `precision` (fp32 | tf32 | bf16 | fp16), measured once."""
+    """Peak FLOP/s of `info`'s device at `precision` (fp32 | tf32 | bf16 | fp16), measured once.
+
+    The first call measures every precision the device runs, side by side, and caches them all.
+    """
     if precision not in info.precisions():
         raise ValueError(f"{info.label} does not run {precision}")
-    n = 1024 if info.type == "cpu" else 8192
-    return cached_measurement("peak_flops.json", info, precision,
-                              lambda: probe_matmul_flops(info.torch_device, precision, n), use_cache)
+    path = cache_dir() / PEAK_FILE
+    cache = _read_cache(path) if use_cache else {}
+    key = _cache_key(info, precision)
+    if key not in cache:
+        n = 1024 if info.type == "cpu" else 8192
+        peaks = probe_matmul_flops(info.torch_device, info.precisions(), n)
+        fresh = {_cache_key(info, p): flops for p, flops in peaks.items()}
+        cache.update(fresh)
+        if use_cache:
+            _write_cache(path, {**_read_cache(path), **fresh})
+    return float(cache[key])
 
 
 def peak_key(precision_policy: str, tf32: bool = False) -> str:
@@ -116,8 +140,6 @@ def measure_cpu_peaks_for_workers(threads: int) -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        info = cpu_info()
-        for precision in info.precisions():
-            measured_peak_flops(info, precision)
+        measured_peak_flops(cpu_info(), "fp32")  # and every other precision the CPU runs
     finally:
         torch.set_num_threads(before)
