@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -21,7 +22,6 @@ import torch
 from .device import DeviceInfo, synchronize
 from .paths import cache_dir
 
-PEAK_FILE = "peak_flops.json"
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -87,16 +87,27 @@ def _write_cache(path, data: dict) -> None:
     os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
-def cached_measurement(file_name: str, info: DeviceInfo, what: str, measure, use_cache: bool = True) -> float:
-    """`measure()` once per device, torch version and `what`, kept in the cache file `file_name`."""
+def cached_measurements(file_name: str, info: DeviceInfo, whats: list[str],
+                        measure: Callable[[], dict[str, float]], use_cache: bool = True) -> dict[str, float]:
+    """Figures for `whats`, measured together by `measure()` once per device and torch version.
+
+    Kept in the cache file `file_name`; measured again only when one of them is missing.
+    """
     path = cache_dir() / file_name
     cache = _read_cache(path) if use_cache else {}
-    key = _cache_key(info, what)
-    if key not in cache:
-        cache[key] = measure()
+    keys = {what: _cache_key(info, what) for what in whats}
+    if not all(key in cache for key in keys.values()):
+        fresh = {keys[what]: figure for what, figure in measure().items()}
+        cache.update(fresh)
         if use_cache:
-            _write_cache(path, {**_read_cache(path), key: cache[key]})
-    return float(cache[key])
+            _write_cache(path, {**_read_cache(path), **fresh})
+    return {what: float(cache[key]) for what, key in keys.items()}
+
+
+def cached_measurement(file_name: str, info: DeviceInfo, what: str, measure: Callable[[], float],
+                       use_cache: bool = True) -> float:
+    """`measure()` once per device, torch version and `what`, kept in the cache file `file_name`."""
+    return cached_measurements(file_name, info, [what], lambda: {what: measure()}, use_cache)[what]
 
 
 def measured_peak_flops(info: DeviceInfo, precision: str, use_cache: bool = True) -> float:
@@ -106,17 +117,10 @@ def measured_peak_flops(info: DeviceInfo, precision: str, use_cache: bool = True
     """
     if precision not in info.precisions():
         raise ValueError(f"{info.label} does not run {precision}")
-    path = cache_dir() / PEAK_FILE
-    cache = _read_cache(path) if use_cache else {}
-    key = _cache_key(info, precision)
-    if key not in cache:
-        n = 1024 if info.type == "cpu" else 8192
-        peaks = probe_matmul_flops(info.torch_device, info.precisions(), n)
-        fresh = {_cache_key(info, p): flops for p, flops in peaks.items()}
-        cache.update(fresh)
-        if use_cache:
-            _write_cache(path, {**_read_cache(path), **fresh})
-    return float(cache[key])
+    n = 1024 if info.type == "cpu" else 8192
+    return cached_measurements("peak_flops.json", info, info.precisions(),
+                               lambda: probe_matmul_flops(info.torch_device, info.precisions(), n),
+                               use_cache)[precision]
 
 
 def peak_key(precision_policy: str, tf32: bool = False) -> str:

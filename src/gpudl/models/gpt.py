@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
+from .attention import causal_attention
 from ..settings import option
 
 
@@ -59,7 +60,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         # (B, H, T, D); H is the local head count, which tensor parallelism divides.
         q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = causal_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
