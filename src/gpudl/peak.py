@@ -87,17 +87,20 @@ def _write_cache(path, data: dict) -> None:
     os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
-def cached_measurements(file_name: str, info: DeviceInfo, whats: list[str],
-                        measure: Callable[[], dict[str, float]], use_cache: bool = True) -> dict[str, float]:
+def cached_measurements(file_name: str, info: DeviceInfo, whats: list[str], measure: Callable[[], dict[str, float]],
+                        use_cache: bool = True, refresh: bool = False) -> dict[str, float]:
     """Figures for `whats`, measured together by `measure()` once per device and torch version.
 
-    Kept in the cache file `file_name`; measured again only when one of them is missing.
+    Kept in the cache file `file_name`; measured again when one of them is missing, or on
+    `refresh`, which keeps the higher of the cached and the new figure (used for peaks: a busy
+    moment on a shared machine can only pull a measurement down, never up).
     """
     path = cache_dir() / file_name
     cache = _read_cache(path) if use_cache else {}
     keys = {what: _cache_key(info, what) for what in whats}
-    if not all(key in cache for key in keys.values()):
-        fresh = {keys[what]: figure for what, figure in measure().items()}
+    if refresh or not all(key in cache for key in keys.values()):
+        fresh = {keys[what]: max(figure, cache.get(keys[what], 0.0) if refresh else 0.0)
+                 for what, figure in measure().items()}
         cache.update(fresh)
         if use_cache:
             _write_cache(path, {**_read_cache(path), **fresh})
@@ -105,22 +108,28 @@ def cached_measurements(file_name: str, info: DeviceInfo, whats: list[str],
 
 
 def cached_measurement(file_name: str, info: DeviceInfo, what: str, measure: Callable[[], float],
-                       use_cache: bool = True) -> float:
-    """`measure()` once per device, torch version and `what`, kept in the cache file `file_name`."""
-    return cached_measurements(file_name, info, [what], lambda: {what: measure()}, use_cache)[what]
+                       use_cache: bool = True, refresh: bool = False) -> float:
+    """`measure()` once per device, torch version and `what`; see `cached_measurements`."""
+    return cached_measurements(file_name, info, [what], lambda: {what: measure()}, use_cache, refresh)[what]
 
 
-def measured_peak_flops(info: DeviceInfo, precision: str, use_cache: bool = True) -> float:
+def measured_peak_flops(info: DeviceInfo, precision: str, use_cache: bool = True, refresh: bool = False) -> float:
     """Peak FLOP/s of `info`'s device at `precision` (fp32 | tf32 | bf16 | fp16), measured once.
 
-    The first call measures every precision the device runs, side by side, and caches them all.
+    The first call measures every precision the device runs, side by side, and caches them all;
+    `refresh` measures again and keeps the best figure seen.
     """
     if precision not in info.precisions():
         raise ValueError(f"{info.label} does not run {precision}")
     n = 1024 if info.type == "cpu" else 8192
     return cached_measurements("peak_flops.json", info, info.precisions(),
                                lambda: probe_matmul_flops(info.torch_device, info.precisions(), n),
-                               use_cache)[precision]
+                               use_cache, refresh)[precision]
+
+
+def refresh_peaks(info: DeviceInfo) -> None:
+    """Measure every precision's peak on `info`'s device again, keeping the best figures seen."""
+    measured_peak_flops(info, info.precisions()[0], refresh=True)
 
 
 def peak_key(precision_policy: str, tf32: bool = False) -> str:

@@ -22,7 +22,7 @@ from gpudl import device_specs
 from gpudl.device import DeviceInfo, available, cpu_info, detect
 from gpudl.errors import UserError
 from gpudl.info import as_json, peaks, render
-from gpudl.peak import measured_peak_flops, peak_key
+from gpudl.peak import measured_peak_flops, peak_key, refresh_peaks
 
 GiB = 2**30
 
@@ -266,6 +266,19 @@ def test_measured_peak_is_cached(monkeypatch, tmp_path):
     assert measured_peak_flops(info, "fp32") == first
     with pytest.raises(AssertionError, match="probed again"):
         measured_peak_flops(info, "fp32", use_cache=False)
+
+
+def test_refreshed_peaks_keep_the_best_figure_seen(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPUDL_CACHE_DIR", str(tmp_path))
+    info = cpu_info()
+    probes = iter([2e11, 1e11, 3e11])  # quiet, then a busy moment, then quieter still
+    monkeypatch.setattr(gpudl.peak, "probe_matmul_flops",
+                        lambda device, precisions, n: dict.fromkeys(precisions, next(probes)))
+    assert measured_peak_flops(info, "fp32") == 2e11
+    refresh_peaks(info)
+    assert measured_peak_flops(info, "fp32") == 2e11  # the busy measurement does not pull it down
+    refresh_peaks(info)
+    assert measured_peak_flops(info, "fp32") == 3e11
 
 
 def test_measured_peak_rejects_a_precision_the_device_lacks(monkeypatch, tmp_path):

@@ -86,13 +86,14 @@ def probe_copy_bandwidth(device: torch.device, n_bytes: int, min_seconds: float 
     return best
 
 
-def measured_bandwidth(info: DeviceInfo, use_cache: bool = True) -> float:
-    """Memory bandwidth of `info`'s device in bytes/s, measured once (far larger than its caches)."""
+def measured_bandwidth(info: DeviceInfo, use_cache: bool = True, refresh: bool = False) -> float:
+    """Memory bandwidth of `info`'s device in bytes/s (far larger than its caches), measured once;
+    `refresh` measures again and keeps the best figure seen."""
     n = (256 if info.type == "cpu" else 2048) * 2**20
     if info.memory_bytes:
         n = min(n, info.memory_bytes // 8)  # source and copy: a quarter of a small device at most
     return cached_measurement("bandwidth.json", info, "copy", lambda: probe_copy_bandwidth(info.torch_device, n),
-                              use_cache)
+                              use_cache, refresh)
 
 
 def attainable_flops(intensity: float, peak_flops: float, bandwidth: float) -> float:

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from .. import __version__, models
 from ..device import cpu_info
 from ..host import keep_freed_memory
-from ..peak import measured_peak_flops, peak_key
+from ..peak import measured_peak_flops, peak_key, refresh_peaks
 from . import dataload
 from .cells import Cell, run_cell
 from .roofline import bytes_per_step, measured_bandwidth
@@ -43,11 +43,12 @@ def device_figures(plan: Plan) -> list[dict]:
     """Measured peak FLOP/s (for each precision benchmarked there) and memory bandwidth of each device."""
     out = []
     for info in plan.devices:
+        refresh_peaks(info)
         keys = sorted({peak_key(p) for p in plan.precisions[info.label]} & set(info.precisions()))
         out.append({"label": info.label, "kind": info.kind, "name": info.name, "memory_bytes": info.memory_bytes,
                     "compute_units": info.compute_units, "versions": info.versions,
                     "peak_flops": {k: measured_peak_flops(info, k) for k in keys},
-                    "bandwidth_bytes_per_s": measured_bandwidth(info)})
+                    "bandwidth_bytes_per_s": measured_bandwidth(info, refresh=True)})
     return out
 
 
@@ -131,7 +132,7 @@ def run_plan(plan: Plan, console: Console, command: str | None = None) -> dict:
     if any(i.type == "cpu" for i in plan.devices):
         keep_freed_memory()  # what a training run on the CPU does, so the CPU figures are a run's figures
     console.print("Devices: " + ", ".join(i.label for i in plan.devices))
-    console.print("Measuring peak FLOP/s and memory bandwidth (cached after the first time) ...")
+    console.print("Measuring peak FLOP/s and memory bandwidth (kept at the best seen on this machine) ...")
     devices = device_figures(plan)
     costs = model_figures(plan)
     cells = run_cells(plan, costs, console)
