@@ -1,4 +1,4 @@
-"""Peak FLOP/s measured by a short matmul probe, cached per device, torch version and precision.
+"""Peak FLOP/s measured by a short probe of dense kernels, cached per device, torch and precision.
 
 MFU in gpudl is always model FLOP/s divided by the peak measured here for the precision the
 run uses: a figure the reader's own machine produced, not a datasheet promise.
@@ -18,6 +18,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
 from .device import DeviceInfo, synchronize
 from .paths import cache_dir
@@ -35,35 +36,51 @@ def _matmul_precision(precision: str):
         torch.set_float32_matmul_precision(before)
 
 
-def probe_matmul_flops(device: torch.device, precisions: list[str], n: int,
-                       min_seconds: float = 0.3) -> dict[str, float]:
-    """Best FLOP/s of an n x n x n matmul at each precision, over timed rounds that take turns.
+def probe_peak_flops(device: torch.device, precisions: list[str], n: int,
+                     min_seconds: float = 0.4) -> dict[str, float]:
+    """Best FLOP/s of the probe's dense kernels at each precision, over timed rounds that take turns.
 
-    The precisions alternate, a few matmuls each, for `min_seconds` apiece: a busy moment on a
-    shared machine then slows all of them alike instead of one, and the ratio between them (which
-    `precision = "auto"` decides on) stays true.
+    The precisions alternate, a few kernel calls each, for `min_seconds` apiece: a busy moment on
+    a shared machine then slows all of them alike instead of one, and the ratio between them
+    (which `precision = "auto"` decides on) stays true.
     """
     g = torch.Generator().manual_seed(0)  # a private generator: probing must not move the run's RNG
-    ab = {p: [torch.randn(n, n, generator=g).to(device, DTYPES[p]) for _ in range(2)] for p in precisions}
+    kernels = {p: _dense_kernels(device, DTYPES[p], n, g) for p in precisions}
     best = dict.fromkeys(precisions, 0.0)
-    spent = 0.0
     for p in precisions:  # warm-up: kernels chosen, caches filled
         with _matmul_precision(p):
-            torch.mm(*ab[p]), torch.mm(*ab[p])
+            for run, _ in kernels[p]:
+                run(), run()
+    spent = 0.0
     while spent < min_seconds * len(precisions):
         for p in precisions:
-            with _matmul_precision(p):
-                dt = _time_matmuls(device, *ab[p], reps=3)
-            spent += dt
-            best[p] = max(best[p], 2 * n**3 * 3 / dt)
+            for run, flops in kernels[p]:
+                with _matmul_precision(p):
+                    dt = _time_calls(device, run, reps=3)
+                spent += dt
+                best[p] = max(best[p], flops * 3 / dt)
     return best
 
 
-def _time_matmuls(device: torch.device, a: torch.Tensor, b: torch.Tensor, reps: int) -> float:
+def _dense_kernels(device: torch.device, dtype: torch.dtype, n: int, g: torch.Generator) -> list[tuple]:
+    """(call, FLOPs per call): an n x n x n matmul; on the CPU also a 3x3 convolution, because
+    oneDNN's convolutions can outrun the BLAS matmul there (fp32 on an AMD EPYC: 221 against
+    151 GFLOP/s), and a peak below what a model's kernels reach would put MFU over 100%."""
+    a, b = (torch.randn(n, n, generator=g).to(device, dtype) for _ in range(2))
+    kernels = [(lambda: torch.mm(a, b), 2 * n**3)]
+    if device.type == "cpu":
+        batch, channels, side = 64, 128, 16
+        x = torch.randn(batch, channels, side, side, generator=g).to(dtype).to(memory_format=torch.channels_last)
+        w = torch.randn(channels, channels, 3, 3, generator=g).to(dtype).to(memory_format=torch.channels_last)
+        kernels.append((lambda: F.conv2d(x, w, padding=1), 2 * batch * side * side * channels * channels * 9))
+    return kernels
+
+
+def _time_calls(device: torch.device, run: Callable[[], object], reps: int) -> float:
     synchronize(device)
     t0 = time.perf_counter()
     for _ in range(reps):
-        torch.mm(a, b)
+        run()
     synchronize(device)
     return time.perf_counter() - t0
 
@@ -123,7 +140,7 @@ def measured_peak_flops(info: DeviceInfo, precision: str, use_cache: bool = True
         raise ValueError(f"{info.label} does not run {precision}")
     n = 1024 if info.type == "cpu" else 8192
     return cached_measurements("peak_flops.json", info, info.precisions(),
-                               lambda: probe_matmul_flops(info.torch_device, info.precisions(), n),
+                               lambda: probe_peak_flops(info.torch_device, info.precisions(), n),
                                use_cache, refresh)[precision]
 
 

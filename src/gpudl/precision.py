@@ -76,8 +76,8 @@ def auto_policy(info: DeviceInfo) -> tuple[str, str]:
             return "fp32", "this CPU has no native bf16 instructions"
         speedup = measured_peak_flops(info, "bf16") / measured_peak_flops(info, "fp32")
         if speedup >= CPU_BF16_MIN_SPEEDUP:
-            return "bf16-mixed", f"bf16 matmuls measured {speedup:.1f}x faster than fp32 on this CPU"
-        return "fp32", f"bf16 matmuls measured only {speedup:.1f}x fp32 on this CPU"
+            return "bf16-mixed", f"bf16 measured {speedup:.1f}x faster than fp32 on this CPU"
+        return "fp32", f"bf16 measured only {speedup:.1f}x fp32 on this CPU"
     if info.bf16:
         return "bf16-mixed", f"{info.name} runs bf16 natively"
     if info.fp16:

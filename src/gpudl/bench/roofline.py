@@ -2,7 +2,7 @@
 
 The roofline model (Williams, Waterman and Patterson, 2009): a kernel that does I FLOPs per
 byte it moves can reach at most min(peak FLOP/s, bandwidth x I). The peak comes from the
-matmul probe in peak.py, the bandwidth from a copy probe here, both measured on the reader's
+dense-kernel probe in peak.py, the bandwidth from a copy probe here, both measured on the reader's
 machine and cached the same way.
 
 Bytes moved are counted on the meta device (no memory, no compute): the sum of the bytes of
