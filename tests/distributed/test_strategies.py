@@ -35,7 +35,9 @@ def ref8(tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", backends())
-@pytest.mark.parametrize("layout", [["parallel.dp_replicate=2"], ["parallel.dp_shard=2"]], ids=["ddp", "fsdp"])
+@pytest.mark.parametrize("layout", [["parallel.dp_replicate=2"], ["parallel.dp_shard=2"],
+                                    ["parallel.dp_shard=2", "parallel.fsdp_cpu_offload=true"]],
+                         ids=["ddp", "fsdp", "fsdp-cpu-offload"])
 def test_data_parallel_equals_one_process_on_the_full_batch(tmp_path, ref8, backend, layout):
     ranks = run_ranks("train_tiny", 2, tmp_path, backend,
                       sets=[*layout, f"run.dir={tmp_path}/runs", "run.name=dp"])

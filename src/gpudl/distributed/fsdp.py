@@ -23,8 +23,9 @@ def apply_fsdp(model: nn.Module, units: list[nn.Module], dp_mesh: DeviceMesh, pr
     A 1-D mesh is FSDP; a 2-D (dp_replicate, dp_shard) mesh is HSDP: sharded within a group,
     replicated across groups.
     """
-    options = {"mesh": dp_mesh, "mp_policy": mixed_precision_policy(precision_name),
-               "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
+    # Pinned host memory makes the copies to an accelerator asynchronous; a CPU-only job has none to pin.
+    offload = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
+    options = {"mesh": dp_mesh, "mp_policy": mixed_precision_policy(precision_name), "offload_policy": offload}
     for i, unit in enumerate(units):
         # The last unit's parameters are needed again at once by backward: keep them gathered.
         fully_shard(unit, reshard_after_forward=reshard_after_forward and i < len(units) - 1, **options)
