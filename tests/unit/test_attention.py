@@ -85,3 +85,18 @@ def test_sdpa_keeps_its_own_choice_where_nothing_is_gained_or_asked(fresh, monke
 def test_the_math_kernel_is_not_tried_where_its_scores_would_be_large(fresh, monkeypatch):
     monkeypatch.setattr(attention, "_time_kernels", lambda *a: pytest.fail("timed a shape that is flash's"))
     assert fastest_cpu_kernel(torch.bfloat16, (64, 16, 1024, 64)) is None
+
+
+def test_measuring_from_inside_activation_checkpointing_and_autocast_works(fresh):
+    """The first forward that needs a measurement may be anywhere; the probe must not care."""
+    x = torch.randn(SHAPE, requires_grad=True)
+
+    def block(x):
+        q = x.bfloat16()
+        return causal_attention(q, q, q).float().sum()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    loss.backward()  # recomputes the block: the same kernel, from memory this time
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert len(json.loads((fresh / "attention.json").read_text())) == 2

@@ -6,8 +6,8 @@ forward and backward took 33 ms through flash and 19 ms through the math kernel,
 whole bf16 training step 239 ms against 181 ms. From 256 tokens on, flash won again (60
 against 74 ms at 16 x 6 x 256 x 64; 3x at 1024 tokens). Measured on a 2-core AMD EPYC with
 torch 2.13; on another CPU or torch the balance may differ, so gpudl does not hard-code it:
-for bf16 and fp16 on the CPU it times both kernels once per shape, side by side, keeps the
-figures in its cache (so that a resumed run takes the same kernel), and uses the faster.
+for bf16 and fp16 on the CPU it times both kernels once per shape, side by side (in a thread
+of its own, away from the caller's autocast and checkpointing), keeps the figures in its cache (so that a resumed run takes the same kernel), and uses the faster.
 fp32 keeps flash (it won at every shape measured), accelerators keep SDPA's own choice, and
 so do inference and a caller who has chosen kernels already (`torch.nn.attention.sdpa_kernel`).
 
@@ -18,7 +18,10 @@ torch.Size([2, 4, 16, 8])
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..device import cpu_info
 from ..peak import cached_measurements
 
+T = TypeVar("T")
 CPU_CANDIDATES = (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH)
 MATH_SCORES_LIMIT = 256 * 2**20  # bytes of fp32 scores beyond which the math kernel is not tried
 CACHE_FILE = "attention.json"
@@ -73,15 +77,42 @@ def fastest_cpu_kernel(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> 
 
 def _time_kernels(dtype: torch.dtype, shape: tuple[int, ...], rounds: int = 4) -> dict[SDPBackend, float]:
     """Best seconds of forward + backward per kernel over rounds that take turns (the first is warm-up)."""
+    return _in_a_clean_thread(lambda: _time_kernels_here(dtype, shape, rounds))
+
+
+def _time_kernels_here(dtype: torch.dtype, shape: tuple[int, ...], rounds: int) -> dict[SDPBackend, float]:
     g = torch.Generator().manual_seed(0)  # a private generator: the run's RNG must not move
     q, k, v = (torch.randn(shape, generator=g).to(dtype).requires_grad_() for _ in range(3))
     best = dict.fromkeys(CPU_CANDIDATES, float("inf"))
-    with torch.enable_grad(), torch.autocast("cpu", enabled=False):
-        for r in range(rounds):
-            for kernel in CPU_CANDIDATES:
-                t0 = time.perf_counter()
-                with sdpa_kernel(kernel):
-                    F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-                if r > 0:
-                    best[kernel] = min(best[kernel], time.perf_counter() - t0)
+    for r in range(rounds):
+        for kernel in CPU_CANDIDATES:
+            t0 = time.perf_counter()
+            with sdpa_kernel(kernel):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+            if r > 0:
+                best[kernel] = min(best[kernel], time.perf_counter() - t0)
     return best
+
+
+def _in_a_clean_thread(fn: Callable[[], T]) -> T:
+    """`fn()` in a thread of its own, with this thread's number of CPU threads.
+
+    The first forward pass that needs a measurement may run under autocast, no_grad, inference
+    mode, activation checkpointing's saved-tensor hooks or a dispatch mode (a FLOP counter):
+    all of them are thread-local, so none reaches the probe there.
+    """
+    threads, out = torch.get_num_threads(), {}
+
+    def target() -> None:
+        torch.set_num_threads(threads)
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller's thread below
+            out["error"] = e
+
+    worker = threading.Thread(target=target, name="gpudl-attention-probe")
+    worker.start()
+    worker.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
