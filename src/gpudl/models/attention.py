@@ -8,8 +8,9 @@ against 74 ms at 16 x 6 x 256 x 64; 3x at 1024 tokens). Measured on a 2-core AMD
 torch 2.13; on another CPU or torch the balance may differ, so gpudl does not hard-code it:
 for bf16 and fp16 on the CPU it times both kernels once per shape, side by side (in a thread
 of its own, away from the caller's autocast and checkpointing), keeps the figures in its
-cache (so that a resumed run takes the same kernel), and uses the faster. fp32 keeps flash (it won at every shape measured), accelerators keep SDPA's own choice, and
-so do inference and a caller who has chosen kernels already (`torch.nn.attention.sdpa_kernel`).
+cache (so that a resumed run takes the same kernel), and uses the faster. fp32 keeps flash
+(it won at every shape measured), accelerators keep SDPA's own choice, and so do inference
+and a caller who has chosen kernels already (`torch.nn.attention.sdpa_kernel`).
 
 >>> q = k = v = torch.randn(2, 4, 16, 8)
 >>> causal_attention(q, k, v).shape
