@@ -10,6 +10,7 @@ DistEnv(rank=1, world_size=4, local_rank=1, local_world_size=2, restart_count=0,
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import os
@@ -94,6 +95,15 @@ def init_process_group(env: DistEnv, backend: str, timeout_s: int, init_method: 
     except (RuntimeError, ValueError) as e:
         raise UserError(f"rank {env.rank} of {env.world_size} could not join the job's process group ({e}): "
                         f"check that every node can reach the rendezvous endpoint") from None
+    atexit.register(_leave_process_group)
+
+
+def _leave_process_group() -> None:
+    """Destroy the group we joined while Python is still whole. Left to interpreter shutdown,
+    the backend's threads can abort a finished process ("terminate called without an active
+    exception"), and torchrun then counts a worker that succeeded as failed."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def die_with_agent() -> None:
