@@ -200,12 +200,12 @@ def _defaults_worker(name: str, spec_name: str, device: str, steps: int, batch: 
     dev = detect(device).torch_device
     spec = models.resolve(spec_name)
     data = synthetic_data(spec, batch * 64)
-    loader = DataLoader(TensorDataset(*data), batch_size=batch, shuffle=True, drop_last=True)
     if name == "gpudl":
         run, setup = _gpudl_defaults(spec, data, dev, steps, batch)
-    else:  # fp32, default AdamW: what each of the others starts from
+    else:  # fp32, default AdamW and a DataLoader: what each of the others starts from
         model = models.build(spec, dev, seed=0)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        loader = DataLoader(TensorDataset(*data), batch_size=batch, shuffle=True, drop_last=True)
         make = {"raw PyTorch": _raw_defaults, "Lightning Fabric": _fabric_defaults,
                 "HF Accelerate": _accelerate_defaults}[name]
         run, setup = make(model, opt, models.loss_for(spec), loader, dev, steps)

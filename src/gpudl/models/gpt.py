@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
-from .attention import causal_attention
 from ..settings import option
+from .attention import causal_attention
 
 
 @dataclass(kw_only=True)
