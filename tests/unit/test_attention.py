@@ -30,23 +30,49 @@ def by_hand(q, k, v):
     return scores.softmax(-1) @ v
 
 
-@pytest.mark.parametrize("winner", [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION])
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_attention_matches_the_formula_and_its_gradients_flow(fresh, monkeypatch, dtype, tol, winner):
-    monkeypatch.setattr(attention, "_time_kernels", lambda *a: {k: 1.0 + (k != winner) for k in attention.CPU_CANDIDATES})
+@pytest.mark.parametrize("name", list(attention.CPU_KERNELS))
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+def test_every_kernel_matches_the_formula_and_its_gradients(name, dtype, tol):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(SHAPE, generator=g).to(dtype).requires_grad_() for _ in range(3))
-    out = causal_attention(q, k, v)
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out, reference = attention.CPU_KERNELS[name](q, k, v, 0.0), by_hand(*exact)
     assert out.dtype == dtype
-    torch.testing.assert_close(out.double(), by_hand(q, k, v), atol=tol, rtol=tol)
-    out.sum().backward()
-    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+    torch.testing.assert_close(out.double(), reference, atol=tol, rtol=tol)
+    upstream = torch.randn(SHAPE, generator=g, dtype=torch.float64)
+    out.backward(upstream.to(dtype))
+    reference.backward(upstream)
+    for mine, theirs in zip((q, k, v), exact, strict=True):
+        torch.testing.assert_close(mine.grad.double(), theirs.grad, atol=4 * tol, rtol=4 * tol)
 
 
-@pytest.mark.parametrize("flash, math_, expected", [(2.0, 1.0, SDPBackend.MATH), (1.0, 2.0, SDPBackend.FLASH_ATTENTION)])
-def test_the_faster_measured_kernel_is_chosen(fresh, monkeypatch, flash, math_, expected):
+@pytest.mark.parametrize("winner", list(attention.CPU_KERNELS))
+def test_bf16_training_runs_on_the_kernel_measured_fastest(fresh, monkeypatch, winner):
+    monkeypatch.setattr(attention, "_time_kernels", lambda *a: {k: 1.0 + (k != winner) for k in attention.CPU_KERNELS})
+    calls = []
+    monkeypatch.setitem(attention.CPU_KERNELS, winner, lambda *args: calls.append(winner) or by_hand(*args[:3]))
+    q = torch.randn(SHAPE, dtype=torch.bfloat16, requires_grad=True)
+    causal_attention(q, q, q)
+    assert calls == [winner]
+
+
+def test_composed_attention_drops_weights_as_sdpa_math_does():
+    """Same seed, same mask: dropout acts on the softmax weights, scaled by 1 / (1 - p)."""
+    q, k, v = (torch.randn(SHAPE, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    torch.manual_seed(7)
+    dropped = attention.composed(q, k, v, 0.5)
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(
+        torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    torch.manual_seed(7)
+    torch.testing.assert_close(dropped, torch.nn.functional.dropout(scores.softmax(-1), 0.5) @ v)
+    assert not torch.allclose(dropped, attention.composed(q, k, v, 0.0))
+
+
+@pytest.mark.parametrize("seconds, expected", [((2.0, 1.0, 3.0), "math"), ((1.0, 2.0, 3.0), "flash"),
+                                               ((2.0, 3.0, 1.0), "composed")])
+def test_the_fastest_measured_kernel_is_chosen(fresh, monkeypatch, seconds, expected):
     monkeypatch.setattr(attention, "_time_kernels",
-                        lambda dtype, shape: {SDPBackend.FLASH_ATTENTION: flash, SDPBackend.MATH: math_})
+                        lambda dtype, shape: dict(zip(("flash", "math", "composed"), seconds, strict=True)))
     assert fastest_cpu_kernel(torch.bfloat16, SHAPE) == expected
 
 
@@ -54,7 +80,7 @@ def test_kernels_are_timed_once_per_shape_and_kept_on_disk(fresh, monkeypatch):
     q = torch.randn(SHAPE, dtype=torch.bfloat16, requires_grad=True)
     causal_attention(q, q, q)  # measures, for real
     cached = json.loads((fresh / "attention.json").read_text())
-    assert len(cached) == 2 and all("2x3x16x8" in key and seconds > 0 for key, seconds in cached.items())
+    assert len(cached) == len(attention.CPU_KERNELS) and all("2x3x16x8" in key and seconds > 0 for key, seconds in cached.items())
 
     def no_timing(*args):
         raise AssertionError("timed again instead of reading the cache")
@@ -82,7 +108,7 @@ def test_sdpa_keeps_its_own_choice_where_nothing_is_gained_or_asked(fresh, monke
     assert attention._chosen == {}
 
 
-def test_the_math_kernel_is_not_tried_where_its_scores_would_be_large(fresh, monkeypatch):
+def test_kernels_that_store_the_scores_are_not_tried_where_its_scores_would_be_large(fresh, monkeypatch):
     monkeypatch.setattr(attention, "_time_kernels", lambda *a: pytest.fail("timed a shape that is flash's"))
     assert fastest_cpu_kernel(torch.bfloat16, (64, 16, 1024, 64)) is None
 
@@ -99,4 +125,4 @@ def test_measuring_from_inside_activation_checkpointing_and_autocast_works(fresh
         loss = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
     loss.backward()  # recomputes the block: the same kernel, from memory this time
     assert x.grad is not None and torch.isfinite(x.grad).all()
-    assert len(json.loads((fresh / "attention.json").read_text())) == 2
+    assert len(json.loads((fresh / "attention.json").read_text())) == len(attention.CPU_KERNELS)

@@ -1,16 +1,19 @@
-"""Causal attention through `scaled_dot_product_attention`, on the CPU kernel measured fastest.
+"""Causal attention on the CPU kernel measured fastest: SDPA's flash or math kernel, or gpudl's own.
 
 On the CPU, SDPA takes its flash kernel whenever it can. In bf16 that kernel's backward is
-slow at short sequences: at gpt-tiny's shape (batch 32, 4 heads, 128 tokens, head size 32)
-forward and backward took 33 ms through flash and 19 ms through the math kernel, and a
-whole bf16 training step 239 ms against 181 ms. From 256 tokens on, flash won again (60
-against 74 ms at 16 x 6 x 256 x 64; 3x at 1024 tokens). Measured on a 2-core AMD EPYC with
-torch 2.13; on another CPU or torch the balance may differ, so gpudl does not hard-code it:
-for bf16 and fp16 on the CPU it times both kernels once per shape, side by side (in a thread
-of its own, away from the caller's autocast and checkpointing), keeps the figures in its
-cache (so that a resumed run takes the same kernel), and uses the faster. fp32 keeps flash
-(it won at every shape measured), accelerators keep SDPA's own choice, and so do inference
-and a caller who has chosen kernels already (`torch.nn.attention.sdpa_kernel`).
+slow at short sequences, and SDPA's math kernel computes in fp32 (casting there and back). A
+plain composition -- scaled q times kᵀ, plus a causal mask of -inf, softmax, times v -- stays
+in bf16 (the softmax accumulates in fp32 inside), as flash attention's own probabilities do.
+At gpt-tiny's shape (batch 32, 4 heads, 128 tokens, head size 32) forward and backward took
+36 ms through flash, 21 ms through math and 8 ms composed; a whole bf16 training step 238, 199
+and 159 ms. Long sequences are flash's (it does not store the scores): from 256 tokens on it
+beat math. Measured on a 2-core AMD EPYC with torch 2.13; on another CPU or torch the balance
+may differ, so gpudl does not hard-code it: for bf16 and fp16 training on the CPU it times the
+kernels once per shape, side by side (in a thread of its own, away from the caller's autocast
+and checkpointing), keeps the figures in its cache (so that a resumed run takes the same
+kernel), and uses the fastest. fp32 keeps flash (it won at every shape measured, and the whole
+gpt-tiny step was slower composed), accelerators keep SDPA's own choice, and so do inference,
+torch.compile and a caller who has chosen kernels already (`torch.nn.attention.sdpa_kernel`).
 
 >>> q = k = v = torch.randn(2, 4, 16, 8)
 >>> causal_attention(q, k, v).shape
@@ -32,22 +35,48 @@ from ..device import cpu_info
 from ..peak import cached_measurements
 
 T = TypeVar("T")
-CPU_CANDIDATES = (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH)
-MATH_SCORES_LIMIT = 256 * 2**20  # bytes of fp32 scores beyond which the math kernel is not tried
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+SCORES_LIMIT = 256 * 2**20  # bytes of fp32 scores beyond which only flash is used (the others store them)
 CACHE_FILE = "attention.json"
-_chosen: dict[tuple, SDPBackend | None] = {}  # this process's choices, so the cache file is read once
+_chosen: dict[tuple, str | None] = {}  # this process's choices, so the cache file is read once
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
     """softmax(q kᵀ / √d + causal mask) v for (batch, heads, tokens, head size) tensors."""
-    backend = _cpu_backend(q)
-    if backend is None:
+    kernel = _cpu_kernel(q)
+    if kernel is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-    with sdpa_kernel(backend):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    return CPU_KERNELS[kernel](q, k, v, dropout_p)
 
 
-def _cpu_backend(q: torch.Tensor) -> SDPBackend | None:
+def _sdpa_on(backend: SDPBackend) -> Kernel:
+    def kernel(q, k, v, dropout_p):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    return kernel
+
+
+def composed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """Attention as four plain ops, in q's dtype; q is scaled before the product (fewer elements, no fp16 overflow)."""
+    t, d = q.shape[-2:]
+    scores = (q * d**-0.5) @ k.transpose(-2, -1) + _future_mask(t, q.dtype, q.device)  # (B, H, T, T)
+    weights = F.dropout(scores.softmax(-1), dropout_p) if dropout_p else scores.softmax(-1)
+    return weights @ v
+
+
+def _future_mask(t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(T, T): -inf where a key lies after the query, 0 elsewhere (adding it beat masked_fill by 20%).
+
+    Made afresh each call (microseconds): a cached tensor could outlive the mode it was made in.
+    """
+    return torch.full((t, t), float("-inf"), dtype=dtype, device=device).triu(1)
+
+
+CPU_KERNELS: dict[str, Kernel] = {"flash": _sdpa_on(SDPBackend.FLASH_ATTENTION), "math": _sdpa_on(SDPBackend.MATH),
+                                  "composed": composed}
+
+
+def _cpu_kernel(q: torch.Tensor) -> str | None:
     """The measured kernel for `q`'s shape in training, or None to leave the choice to SDPA."""
     if (q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16) or q.dim() != 4
             or not torch.is_grad_enabled()  # inference (generation: a new length each token) keeps SDPA's choice
@@ -64,34 +93,33 @@ def _default_kernels() -> bool:
     return torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
 
 
-def fastest_cpu_kernel(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> SDPBackend | None:
+def fastest_cpu_kernel(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> str | None:
     """Time forward + backward of each CPU kernel at `shape` (once per machine; cached)."""
     b, h, t, _ = shape
-    if b * h * t * t * 4 > MATH_SCORES_LIMIT:
-        return None  # flash's territory, and the math kernel's scores could exhaust memory
+    if b * h * t * t * 4 > SCORES_LIMIT:
+        return None  # flash's territory, and stored scores could exhaust memory
     what = f"sdpa|{str(dtype).removeprefix('torch.')}|{'x'.join(map(str, shape))}|causal"
-    names = {kernel: f"{what}|{kernel.name.lower()}" for kernel in CPU_CANDIDATES}
+    names = {kernel: f"{what}|{kernel}" for kernel in CPU_KERNELS}
     seconds = cached_measurements(CACHE_FILE, cpu_info(), list(names.values()),
                                   lambda: {names[k]: s for k, s in _time_kernels(dtype, shape).items()})
-    return min(CPU_CANDIDATES, key=lambda kernel: seconds[names[kernel]])
+    return min(CPU_KERNELS, key=lambda kernel: seconds[names[kernel]])
 
 
-def _time_kernels(dtype: torch.dtype, shape: tuple[int, ...], rounds: int = 4) -> dict[SDPBackend, float]:
+def _time_kernels(dtype: torch.dtype, shape: tuple[int, ...], rounds: int = 4) -> dict[str, float]:
     """Best seconds of forward + backward per kernel over rounds that take turns (the first is warm-up)."""
     return _in_a_clean_thread(lambda: _time_kernels_here(dtype, shape, rounds))
 
 
-def _time_kernels_here(dtype: torch.dtype, shape: tuple[int, ...], rounds: int) -> dict[SDPBackend, float]:
+def _time_kernels_here(dtype: torch.dtype, shape: tuple[int, ...], rounds: int) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)  # a private generator: the run's RNG must not move
     q, k, v = (torch.randn(shape, generator=g).to(dtype).requires_grad_() for _ in range(3))
-    best = dict.fromkeys(CPU_CANDIDATES, float("inf"))
+    best = dict.fromkeys(CPU_KERNELS, float("inf"))
     for r in range(rounds):
-        for kernel in CPU_CANDIDATES:
+        for name, kernel in CPU_KERNELS.items():
             t0 = time.perf_counter()
-            with sdpa_kernel(kernel):
-                F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+            kernel(q, k, v, 0.0).sum().backward()
             if r > 0:
-                best[kernel] = min(best[kernel], time.perf_counter() - t0)
+                best[name] = min(best[name], time.perf_counter() - t0)
     return best
 
 
