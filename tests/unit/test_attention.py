@@ -126,3 +126,30 @@ def test_measuring_from_inside_activation_checkpointing_and_autocast_works(fresh
     loss.backward()  # recomputes the block: the same kernel, from memory this time
     assert x.grad is not None and torch.isfinite(x.grad).all()
     assert len(json.loads((fresh / "attention.json").read_text())) == len(attention.CPU_KERNELS)
+
+
+@pytest.mark.parametrize("winner, op", [("composed", "softmax"), ("flash", "scaled_dot_product_attention")])
+def test_compiled_training_takes_the_measured_kernel_into_its_graph(fresh, monkeypatch, winner, op):
+    """Chosen while tracing, without a graph break (fullgraph); with dynamic shapes, chosen too (one break)."""
+    monkeypatch.setattr(attention, "_time_kernels", lambda *a: {k: 1.0 + (k != winner) for k in attention.CPU_KERNELS})
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append([str(node.target) for node in gm.graph.nodes if node.op.startswith("call_")])
+        return gm.forward
+
+    torch.compiler.reset()
+    for batch, how in ((4, {"fullgraph": True}), (3, {"dynamic": True})):
+        attend = torch.compile(lambda q, k, v: causal_attention(q, k, v), backend=record, **how)
+        q, k, v = (torch.randn((batch, *SHAPE[1:]), dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        out = attend(q, k, v)
+        torch.testing.assert_close(out.double(), by_hand(q, k, v), atol=3e-2, rtol=3e-2)
+        out.sum().backward()
+        assert torch.isfinite(q.grad).all()
+        if attention.CHOICE_TRACEABLE:
+            assert any(op in target for target in graphs[-1]), f"{winner} is not in the graph compiled with {how}"
+    if attention.CHOICE_TRACEABLE:
+        assert set(attention._chosen) == {(torch.bfloat16, (b, *SHAPE[1:]), torch.get_num_threads()) for b in (4, 3)}
+    else:  # older torch: compiled attention keeps SDPA's choice
+        assert attention._chosen == {} and all("scaled_dot_product_attention" in str(g) for g in graphs)
+    torch.compiler.reset()
