@@ -5,9 +5,9 @@ slow at short sequences, and SDPA's math kernel computes in fp32 (casting there 
 plain composition -- scaled q times kᵀ, plus a causal mask of -inf, softmax, times v -- stays
 in bf16 (the softmax accumulates in fp32 inside), as flash attention's own probabilities do.
 At gpt-tiny's shape (batch 32, 4 heads, 128 tokens, head size 32) forward and backward took
-36 ms through flash, 21 ms through math and 8 ms composed; a whole bf16 training step 238, 199
-and 159 ms. Long sequences are flash's (it does not store the scores): from 256 tokens on it
-beat math. Measured on a 2-core AMD EPYC with torch 2.13; on another CPU or torch the balance
+34 ms through flash, 19 ms through math and 8 ms composed; a whole bf16 training step 238, 199
+and 159 ms. Long sequences are flash's (it does not store the scores): at 1024 tokens it took
+220 ms, composed 332 ms. Measured on a 2-core AMD EPYC with torch 2.13; on another CPU or torch the balance
 may differ, so gpudl does not hard-code it: for bf16 and fp16 training on the CPU it times the
 kernels once per shape, side by side (in a thread of its own, away from the caller's autocast
 and checkpointing), keeps the figures in its cache (so that a resumed run takes the same
