@@ -45,9 +45,13 @@ def gpudl_runs(nproc: int, independent: int, out: Path, name: str) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
     names = [f"{name}-{i}" for i in range(independent)]
-    jobs = [subprocess.Popen([sys.executable, "-m", "gpudl", "train", *launch,
-                              *(a for s in [*TINY, f"run.dir={out}", f"run.name={n}"] for a in ("--set", s))],
-                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for n in names]
+
+    def command(run_name: str) -> list[str]:
+        sets = [a for s in [*TINY, f"run.dir={out}", f"run.name={run_name}"] for a in ("--set", s)]
+        return [sys.executable, "-m", "gpudl", "train", *launch, *sets]
+
+    jobs = [subprocess.Popen(command(n), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for n in names]
     if any(job.wait() for job in jobs):
         raise SystemExit(f"a gpudl train run of round {name} failed; run it by hand to see why")
     return sum(json.loads((out / n / "summary.json").read_text())["samples_per_s"] for n in names)

@@ -7,16 +7,15 @@ in bf16 (the softmax accumulates in fp32 inside), as flash attention's own proba
 At gpt-tiny's shape (batch 32, 4 heads, 128 tokens, head size 32) forward and backward took
 34 ms through flash, 19 ms through math and 8 ms composed; a whole bf16 training step 238, 199
 and 159 ms. Long sequences are flash's (it does not store the scores): at 1024 tokens it took
-220 ms, composed 332 ms. Measured on a 2-core AMD EPYC with torch 2.13; on another CPU or torch the balance
-may differ, so gpudl does not hard-code it: for bf16 and fp16 training on the CPU it times the
-kernels once per shape, side by side (in a thread of its own, away from the caller's autocast
-and checkpointing), keeps the figures in its cache (so that a resumed run takes the same
-kernel), and uses the fastest, compiled or not (from torch 2.13; under torch.compile the
-composed kernel's ops fuse: a compiled bf16 gpt-tiny step took 160 ms, against 260 ms on
-SDPA's own choice). fp32
-keeps flash (it won at every shape measured, and the whole gpt-tiny step was slower composed),
-accelerators keep SDPA's own choice, and so do inference and a caller who has chosen kernels
-already (`torch.nn.attention.sdpa_kernel`).
+220 ms, composed 332 ms. Measured on a 2-core AMD EPYC with torch 2.13; on another CPU or
+torch the balance may differ, so gpudl does not hard-code it: for bf16 and fp16 training on
+the CPU it times the kernels once per shape, side by side (in a thread of its own, away from
+the caller's autocast and checkpointing), keeps the figures in its cache (so that a resumed
+run takes the same kernel), and uses the fastest, compiled or not (from torch 2.13; under
+torch.compile the composed kernel's ops fuse: a compiled bf16 gpt-tiny step took 160 ms,
+against 260 ms on SDPA's own choice). fp32 keeps flash (it won at every shape measured, and
+the whole gpt-tiny step was slower composed), accelerators keep SDPA's own choice, and so do
+inference and a caller who has chosen kernels already (`torch.nn.attention.sdpa_kernel`).
 
 >>> q = k = v = torch.randn(2, 4, 16, 8)
 >>> causal_attention(q, k, v).shape
