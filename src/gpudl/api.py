@@ -10,23 +10,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
 from torch import nn
+from torch.utils.data import DataLoader
 
 from .config import LogConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
 from .data import DeviceLoader
-from .data.datasets import as_batch_source
+from .data.datasets import DatasetBatches, as_batch_source
+from .data.loader import Batch, map_tensors, tensors_in
 from .distributed.parallelize import compile_wanted, parallelize
+from .errors import UserError
+from .execute import Execution, execute
 from .metrics import count_training_flops
 from .optim import make_optimizer, make_scheduler
-from .execute import Execution, execute
 from .precision import make_precision
-from .session import plan_parallel, start_session
+from .rundir import prepare_run_dir
+from .session import Session, plan_parallel, start_session
+from .settings import from_dict
 from .train import Job, TrainState
 
 
@@ -40,6 +48,7 @@ class Metrics:
     step_s: float
     mfu: float
     peak_mem_gb: float
+    mfu_note: str | None = None  # why MFU is 0: the FLOPs could not be counted
 
 
 @dataclass
@@ -50,18 +59,124 @@ class FitResult:
     summary: dict
 
 
-def _loss_fn(loss: Callable | None):
-    if loss is None:  # the model returns its own loss: model(*batch)
-        return lambda model, batch: model(*batch)
-    return lambda model, batch: loss(model(*batch[:-1]), batch[-1])
-
-
-def _count_flops(model: nn.Module, loss_fn, loader_source, device: torch.device) -> int:
-    batch = tuple(t.to(device) for t in loader_source.batch(0))
+def _checked(cls: type, values: dict[str, Any]) -> Any:
+    """`cls` built from fit's arguments with the same typed checks as a config file's (settings.from_dict)."""
     try:
-        return count_training_flops(model, batch, loss_fn)
-    except Exception:  # an op the counter cannot follow: report no MFU rather than fail the run
-        return 0
+        return from_dict(cls, values, "")
+    except UserError as e:  # settings.py words the fix for the command line; here it is an argument
+        raise UserError(str(e).replace("set --set ", "pass ")) from None
+
+
+def _takes_labels(model: nn.Module) -> bool:
+    try:
+        return "labels" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward whose signature Python cannot read
+        return False
+
+
+def _prediction(out: Any) -> Any:
+    """What a user's `loss` gets from the model's output: its logits, else its first element, else itself."""
+    if isinstance(out, Mapping):  # a dict, or a Hugging Face ModelOutput
+        return out["logits"] if "logits" in out else next(iter(out.values()))
+    if hasattr(out, "logits"):
+        return out.logits
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _own_loss(out: Any) -> Any:
+    """With loss=None: the model's output itself, or its `loss` field (a dict, a dataclass, a ModelOutput)."""
+    found = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", out)
+    if found is None:
+        raise UserError(f"with loss=None the model must compute its loss, but it returned a {type(out).__name__} "
+                        f"without one: give the model its targets (a dict batch with 'labels', as Hugging Face "
+                        f"models take them) or pass loss=")
+    return found
+
+
+def _scalar(loss: Any) -> torch.Tensor:
+    """The loss, if it is one number that backward can follow to the weights."""
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        if not loss.requires_grad:
+            raise UserError("the loss does not depend on any trainable parameter (it has no gradient): compute it "
+                            "from the model's output, without .detach()")
+        return loss
+    got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else \
+        f"a {type(loss).__name__} ({repr(loss)[:40]})"
+    raise UserError(f"the loss must be a scalar tensor, got {got}: return one value as a tensor (F.cross_entropy(...), "
+                    f"loss.mean()), not loss.item()")
+
+
+def _with_target(model: nn.Module, batch: Batch, loss: Callable) -> Any:
+    if isinstance(batch, dict):
+        if "labels" not in batch:
+            raise UserError(f"with loss= given, a dict batch holds the target under 'labels', but this one has "
+                            f"{list(batch)}: name the target 'labels', or pass loss=None if the model computes "
+                            f"its loss")
+        return loss(_prediction(model(**{k: v for k, v in batch.items() if k != "labels"})), batch["labels"])
+    if len(batch) < 2:
+        raise UserError(f"with loss= given, a batch is (inputs..., target), but this one holds {len(batch)} "
+                        f"element: add the target, or pass loss=None if the model computes its loss")
+    return loss(_prediction(model(*batch[:-1])), batch[-1])
+
+
+def _loss_fn(loss: Callable | None, model: nn.Module) -> Callable[[nn.Module, Batch], torch.Tensor]:
+    """How a batch becomes a loss; the result is checked to be a scalar with a gradient, every step."""
+    if loss is not None:
+        return lambda m, batch: _scalar(_with_target(m, batch, loss))
+    labels_by_name = _takes_labels(model)
+
+    def own(m: nn.Module, batch: Batch) -> torch.Tensor:
+        if isinstance(batch, dict):
+            return _scalar(_own_loss(m(**batch)))
+        if labels_by_name and len(batch) > 1:  # (inputs..., labels) for a model that takes labels=
+            return _scalar(_own_loss(m(*batch[:-1], labels=batch[-1])))
+        return _scalar(_own_loss(m(*batch)))
+    return own
+
+
+def _count_flops(model: nn.Module, loss_fn, batch: Batch) -> tuple[int, str | None]:
+    """(FLOPs of one training step on `batch`, why MFU is not reported when they cannot be counted)."""
+    try:
+        flops = count_training_flops(model, batch, loss_fn)
+    except UserError:  # bad input (the loss, the batch): the user must hear of it now
+        raise
+    except Exception as e:  # an op the counter cannot follow: train anyway, and say why MFU is missing
+        return 0, f"the FLOP counter failed on this model ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})"
+    if flops == 0:
+        return 0, "the FLOP counter found no matrix product, convolution or attention in the model"
+    return flops, None
+
+
+def _samples_per_batch(data: Any, source: Any, first: Batch, batch_size: int, console: Console) -> int:
+    """`batch_size` for a dataset; for an iterable of batches what they hold (a DataLoader's own batch size)."""
+    if isinstance(source, DatasetBatches):
+        console.print(f"Data: {len(source.dataset):,} samples, {batch_size} per batch")
+        return batch_size
+    if isinstance(data, DataLoader) and data.batch_size:
+        n, what = data.batch_size, f"a DataLoader with batch size {data.batch_size}"
+    else:
+        n = next((t.shape[0] for t in tensors_in(first) if t.dim()), 1)
+        what = f"a {type(data).__name__} of batches of {n} samples"
+    console.print(f"Data: {what}" + (f"; fit's batch_size={batch_size} is not used" if n != batch_size else ""),
+                  markup=False)
+    return n
+
+
+def _new_run_dir(run_dir: str | Path | None, session: Session) -> Path | None:
+    """`run_dir`, refused as the CLI refuses it when it already holds a run (fit starts runs, never resumes)."""
+    if run_dir is None:
+        return None
+    path = Path(run_dir)
+    if session.agree(path.is_dir() and any(path.iterdir())):
+        raise UserError(f"run folder {path} already holds a run: pass another run_dir=, or delete the folder to "
+                        f"start again")
+    return path
+
+
+def _check_trainable(model: nn.Module) -> None:
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserError(f"the model ({type(model).__name__}) has no trainable parameters (none, or all with "
+                        f"requires_grad=False): unfreeze some with p.requires_grad_(True)")
 
 
 def _same_weights_everywhere(model: nn.Module, session) -> None:
@@ -71,13 +186,21 @@ def _same_weights_everywhere(model: nn.Module, session) -> None:
             torch.distributed.broadcast(t, src=0)
 
 
-def _place(model: nn.Module, session, prec, parallel: ParallelConfig, compile, activation_checkpointing,
-           batch_size: int):
+def _place(model: nn.Module, session, prec, parallel: ParallelConfig, train: TrainConfig):
     _same_weights_everywhere(model, session)
-    return parallelize(model, activation_checkpointing=activation_checkpointing,
-                       compile=compile_wanted(compile, session.device.type), dims=session.dims, mesh=session.mesh,
-                       precision_name=prec.name, cfg=parallel, device=session.device.torch_device,
-                       batch_size=batch_size)
+    return parallelize(model, activation_checkpointing=train.activation_checkpointing,
+                       compile=compile_wanted(train.compile, session.device.type), dims=session.dims,
+                       mesh=session.mesh, precision_name=prec.name, cfg=parallel, device=session.device.torch_device,
+                       batch_size=train.batch_size)
+
+
+def _data(train_data: Any, train: TrainConfig, seed: int, session: Session, console: Console):
+    """(batch source, its first batch on the device, the train config with the batch size it has)."""
+    source = as_batch_source(train_data, train.batch_size, seed, *session.dp)
+    first = source.batch(0)  # the loader asks for it again: an iterable's source keeps the batch it read last
+    n = _samples_per_batch(train_data, source, first, train.batch_size, console)
+    on_device = map_tensors(lambda t: t.to(session.device.torch_device), first)
+    return source, on_device, dataclasses.replace(train, batch_size=n)
 
 
 def fit(model: nn.Module, train_data, loss: Callable | None = None, *, max_steps: int = 1000,
@@ -88,40 +211,59 @@ def fit(model: nn.Module, train_data, loss: Callable | None = None, *, max_steps
         parallel: ParallelConfig | None = None) -> FitResult:
     """Train `model` on `train_data` and return it with its metrics.
 
-    `train_data`: a map-style Dataset, a tuple of tensors (inputs..., targets), or any iterable
-    of batches. `loss(output, target)`; when None, `model(*batch)` must return the loss.
-    Metrics go to the console, and to `run_dir` (JSONL, CSV, plot) when given. Started by
-    torchrun (or `gpudl train --nproc-per-node`), every process runs `fit` on the same model and
-    data: each trains on its own share of every batch (`batch_size` per process), with DDP by
-    default or as `parallel` says.
+    `train_data`: a map-style Dataset, tensors (a tuple (inputs..., targets), or a dict of
+    columns), or any iterable of batches: a DataLoader (used as it is: its batch size wins over
+    `batch_size`), a list, a generator (read once: it must hold `max_steps * grad_accum` batches).
+    A batch is a tuple (inputs..., target) or a dict; tensors in them may be nested.
+    `loss(prediction, target)`: the prediction is the model's output, or its `logits` (a Hugging
+    Face ModelOutput, a dict) or first element; the target is a tuple's last element, a dict
+    batch's "labels" (the other keys are the model's keyword arguments). With `loss=None` the
+    model computes its own loss, returned as a tensor or as the `loss` of its output: a dict batch
+    is passed as keyword arguments, a tuple by position, except that its last element goes to
+    the model's `labels` argument when its forward has one (Hugging Face models do).
+    Metrics go to the console, and to `run_dir` (JSONL, CSV, plot) when given: a new folder, or
+    an empty one. Started by torchrun (or `gpudl train --nproc-per-node`), every process runs
+    `fit` on the same model and data: each trains on its own share of every batch (`batch_size`
+    per process; an iterable's batches are dealt out in turn), with DDP by default or as
+    `parallel` says.
     """
+    train = _checked(TrainConfig, {"max_steps": max_steps, "batch_size": batch_size, "grad_accum": grad_accum,
+                                   "precision": precision, "compile": compile, "grad_clip": grad_clip,
+                                   "activation_checkpointing": activation_checkpointing, "log_every": log_every,
+                                   "eval_every": 0})
+    optim_cfg = _checked(OptimConfig, {"lr": lr, "weight_decay": weight_decay, "warmup_steps": warmup_steps,
+                                       "min_lr_ratio": 0.1})
+    run = _checked(RunConfig, {"device": device, "seed": seed})
+    log = _checked(LogConfig, {"progress": progress})
+    _check_trainable(model)
     console = Console(quiet=quiet)
-    session = start_session(RunConfig(device=device), console)
+    session = start_session(run, console)
     console = console if session.is_writer else Console(quiet=True)
+    out_dir = _new_run_dir(run_dir, session)
     parallel = parallel or ParallelConfig()
     plan_parallel(session, parallel, sum(p.numel() for p in model.parameters()))
-    prec = make_precision(precision, session.device)
+    prec = make_precision(train.precision, session.device)
     torch.manual_seed(seed)
-    source = as_batch_source(train_data, batch_size, seed, *session.dp)
-    loss_fn = _loss_fn(loss)
+    source, first, train = _data(train_data, train, seed, session, console)
+    loss_fn = _loss_fn(loss, model)
     model = model.to(session.device.torch_device, prec.param_dtype)
-    flops = _count_flops(model, loss_fn, source, session.device.torch_device) // batch_size
-    placed = _place(model, session, prec, parallel, compile, activation_checkpointing, batch_size)
-    optim_cfg = OptimConfig(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, min_lr_ratio=0.1)
+    flops, mfu_note = _count_flops(model, loss_fn, first)
+    if mfu_note:
+        console.print(f"MFU not reported: {mfu_note}", markup=False)
+    model.zero_grad(set_to_none=True)  # the first step's gradients are its own batch's alone
+    placed = _place(model, session, prec, parallel, train)
     optimizer = make_optimizer(placed.model, optim_cfg, session.device.type)
     loader = DeviceLoader(source, session.device.torch_device)
     job = Job(model=placed.model, loss_fn=loss_fn, optimizer=optimizer, precision=prec, batches=loader,
               scheduler=make_scheduler(optimizer, optim_cfg, max_steps), grad_sync=placed.grad_sync,
               clip_norm=placed.clip_norm)
-    out_dir = Path(run_dir) if run_dir is not None else None
-    if out_dir is not None and session.is_writer:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    train_cfg = TrainConfig(max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, precision=prec.name,
-                            grad_clip=grad_clip, log_every=log_every, eval_every=0)
-    ex = Execution(session=session, job=job, train=train_cfg, log=LogConfig(progress=progress), state=TrainState(),
-                   loader=loader, model_name=type(model).__name__, unit="samples", units_per_sample=1,
-                   flops_per_sample=flops, run_dir=out_dir)
+    if out_dir is not None:
+        prepare_run_dir(out_dir, session)
+    ex = Execution(session=session, job=job, train=dataclasses.replace(train, precision=prec.name), log=log,
+                   state=TrainState(), loader=loader, model_name=type(model).__name__, unit="samples",
+                   units_per_sample=1, flops_per_sample=flops // train.batch_size, run_dir=out_dir, mfu_note=mfu_note)
     outcome = execute(ex, console)
     s = outcome.summary
-    metrics = Metrics(s["steps"], s["final_loss"], s["samples_per_s"], s["step_s"], s["mfu"], s["peak_mem_gb"])
+    metrics = Metrics(s["steps"], s["final_loss"], s["samples_per_s"], s["step_s"], s["mfu"], s["peak_mem_gb"],
+                      mfu_note)
     return FitResult(placed.model, metrics, outcome.records, s)

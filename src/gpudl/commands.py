@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import torch
@@ -64,6 +65,8 @@ def train_config(args):
 def cmd_train(args, console: Console) -> int:
     import os
 
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise UserError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}: e.g. --nproc-per-node 2")
     cfg = train_config(args)
     if "RANK" not in os.environ and (args.nproc_per_node or args.nnodes > 1 or "SLURM_NNODES" in os.environ):
         from .launcher import launch_training
@@ -74,7 +77,8 @@ def cmd_train(args, console: Console) -> int:
     result = train(cfg, resume=args.resume, console=console)
     if os.environ.get("RANK", "0") == "0":
         console.print(f"Run folder: {result.run_dir}")
-    return 0
+    stopped_by = result.summary.get("stopped_by")
+    return 128 + signal.Signals[stopped_by] if stopped_by else 0  # the shell's code for "ended by a signal"
 
 
 def cmd_generate(args, console: Console) -> int:
@@ -98,14 +102,19 @@ def cmd_evaluate(args, console: Console) -> int:
 
     t = load_trained(find_run(args.run_dir), args.device or "auto")
     if t.data.val is None:
-        raise UserError(f"{t.run_dir}'s data has no validation part: set data.val_fraction > 0 and train again")
+        raise UserError(f"{t.run_dir}'s data has no validation part ({t.data.no_val}), then train again")
+    if args.batches < 1:
+        raise UserError(f"--batches must be >= 1, got {args.batches}")
     metric = eval_fn_for(t.spec)
     sums: dict[str, float] = {}
+    samples = 0
     with torch.no_grad():
-        for batch in first_batches(t.data.val, args.batches, t.device.torch_device):
-            for k, v in metric(t.model, batch).items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-    result = {"run_dir": str(t.run_dir), "step": t.step, **{k: v / args.batches for k, v in sums.items()}}
+        for x, y in first_batches(t.data.val, t.data.eval_batches(args.batches), t.device.torch_device):
+            for k, v in metric(t.model, (x, y)).items():
+                sums[k] = sums.get(k, 0.0) + float(v) * len(x)  # the last batch of a finite set may be smaller
+            samples += len(x)
+    result = {"run_dir": str(t.run_dir), "step": t.step, "samples": samples,
+              **{k: v / samples for k, v in sums.items()}}
     if t.spec.is_language_model and t.data.vocab_size == 256:
         result["bits_per_byte"] = result["loss"] / torch.log(torch.tensor(2.0)).item()
     if args.json:
@@ -123,6 +132,13 @@ def cmd_export(args, console: Console) -> int:
 
     t = load_trained(find_run(args.run_dir), args.device or "cpu")
     out = Path(args.out) if args.out else t.run_dir / "model.safetensors"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {str(out)!r}: cannot create its folder ({e.strerror or e}): "
+                        f"choose a place you can write") from e
+    if out.is_dir():
+        raise UserError(f"--out {str(out)!r} is a folder: give a file name, e.g. {out / 'model.safetensors'}")
     meta = {"gpudl_model": t.spec.name, "config": json.dumps(dataclasses.asdict(t.spec.config)), "step": str(t.step)}
     console.print(f"Wrote {export_safetensors(t.model, out, meta)}")
     return 0

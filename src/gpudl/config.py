@@ -14,7 +14,7 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Literal
 
 from .errors import UserError, unknown_name
@@ -179,7 +179,15 @@ def config_from_dict(data: dict) -> Config:
     # The model family types its own fields (models.resolve); keep plain TOML values here.
     overrides = {k: v.parsed if isinstance(v, CommandLineValue) else v for k, v in model.items()}
     cfg.model = ModelConfig(name=name, overrides=overrides)
+    _check_run_name(cfg.run.name)
     return cfg
+
+
+def _check_run_name(name: str | None) -> None:
+    """A run's folder is `run.dir/run.name`: the name must not lead out of `run.dir`."""
+    if name is not None and (PurePath(name).name != name or name in ("", ".", "..") or "\\" in name):
+        raise UserError(f"run.name must be a folder name inside run.dir, got {name!r}: choose a name without "
+                        f"'/', '\\' or '..' (set run.dir to write elsewhere)")
 
 
 def load_config(source: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -18,13 +18,14 @@ from .checkpoint import Checkpointer
 from .config import LogConfig, TrainConfig
 from .data import DeviceLoader
 from .distributed.watch import Progress, is_timeout
+from .interrupt import StopRequest
 from .metrics import Throughput, peak_memory_bytes, reset_peak_memory
 from .monitor import Monitor
 from .peak import measured_peak_flops, peak_key
 from .plot import plot_loss
 from .session import Session
 from .sinks import ConsoleProgress, FileSink, TensorBoardSink, summary_table, tensorboard_available
-from .train import Job, TrainState, train_loop
+from .train import Job, NonFiniteError, TrainState, train_loop
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Execution:
     checkpointer: Checkpointer | None = None
     save_every: int = 0
     n_params: int | None = None  # the whole model's; None: count job.model's (a pipeline rank holds a part)
+    mfu_note: str | None = None  # why MFU is not reported (the FLOPs could not be counted); in the summary
 
 
 @dataclass
@@ -97,7 +99,8 @@ def execute(ex: Execution, console: Console) -> Outcome:
     reset_peak_memory(ex.session.device.torch_device)
     t0 = time.perf_counter()
     try:
-        with monitor.progress:
+        with monitor.progress, StopRequest(ex.session.control, announce=ex.session.is_writer) as stop:
+            monitor.stop = stop
             monitor.throughput.restart()
             monitor.note(ex.state.step + 1, "training step")
             train_loop(ex.job, ex.train, ex.state, monitor)
@@ -109,6 +112,8 @@ def execute(ex: Execution, console: Console) -> Outcome:
         for sink in sinks:
             sink.close()
     summary = summarize(ex, monitor.records, time.perf_counter() - t0)
+    if stop.signum:
+        summary["stopped_by"] = stop.name
     if ex.run_dir is not None and ex.session.is_writer:
         (ex.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if ex.log.plot:
@@ -117,6 +122,11 @@ def execute(ex: Execution, console: Console) -> Outcome:
             plot = plot_loss(read_records(ex.run_dir), ex.run_dir / "loss", f"{summary['model']} loss")
             summary["plot"] = str(plot)
     console.print(summary_table(summary))
+    skipped = ex.state.nonfinite_in_a_row
+    if skipped and "stopped_by" not in summary:  # the run "finished", but its last updates never happened
+        raise NonFiniteError(f"the last {skipped} of {ex.state.step} steps had NaN/Inf gradients and were skipped, "
+                             f"so the weights are those of step {ex.state.step - skipped}: lower optim.lr, use "
+                             f"precision=bf16-mixed or fp32, or check the data")
     return Outcome(summary, monitor.records)
 
 
@@ -142,6 +152,7 @@ def summarize(ex: Execution, records: list[dict], wall_s: float) -> dict:
         "nonfinite_steps": ex.state.nonfinite_total, "wall_s": wall_s,
         "params_m": (ex.n_params or sum(p.numel() for p in ex.job.model.parameters())) / 1e6,
         "flops_per_sample": ex.flops_per_sample,
+        **({"mfu_note": ex.mfu_note} if ex.mfu_note else {}),
         "run_dir": str(ex.run_dir) if ex.run_dir else None,
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),
     }

@@ -8,12 +8,15 @@ instead of N times by N workers - or N times per restart.
 from __future__ import annotations
 
 import os
+import shlex
+import signal
 from datetime import datetime
 from pathlib import Path
 
 from rich.console import Console
 
 from . import models
+from .checkpoint.files import complete_checkpoints, step_of
 from .config import Config
 from .device import available, detect
 from .distributed.launch import LaunchArgs, from_slurm, launch
@@ -35,15 +38,28 @@ def _check(cfg: Config, la: LaunchArgs) -> None:
         raise UserError("--nproc-per-node and --nnodes must be >= 1 and --max-restarts >= 0")
 
 
-def _worker_argv(args, cfg: Config, run_dir: Path) -> list[str]:
-    argv = ["train"] + (["--debug"] if args.debug else []) + (["--config", args.config] if args.config else [])
+def _worker_argv(args, run_dir: Path) -> list[str]:
+    """What each worker runs: the user's own settings, and one run folder for every worker and restart."""
+    argv = ["train"] + (["--debug"] if args.debug else [])
+    if args.resume:  # the run's own config.toml, changed only by the user's --set, --device, --precision
+        where = ["--resume", str(run_dir)]
+    else:  # "auto" resumes the new run once it has a checkpoint (after a restart)
+        where = (["--config", args.config] if args.config else []) + \
+            ["--set", f"run.dir={run_dir.parent}", "--set", f"run.name={run_dir.name}", "--resume", "auto"]
     for item in args.sets:
         argv += ["--set", item]
     for flag, value in (("--device", args.device), ("--precision", args.precision)):
         if value:
             argv += [flag, value]
-    # One run folder for every worker and every restart; "auto" resumes it once it has a checkpoint.
-    return argv + ["--set", f"run.dir={run_dir.parent}", "--set", f"run.name={run_dir.name}", "--resume", "auto"]
+    return argv + where
+
+
+def _stopped(code: int, run_dir: Path, la: LaunchArgs) -> str:
+    newest = complete_checkpoints(run_dir / "checkpoints")
+    saved = f"the newest checkpoint is step {step_of(newest[-1])}" if newest else "no checkpoint was saved"
+    nodes = ["--nnodes", str(la.nnodes)] if la.nnodes > 1 else []
+    again = shlex.join(["gpudl", "train", "--nproc-per-node", str(la.nproc_per_node), *nodes, "--resume", str(run_dir)])
+    return f"Stopped by {signal.Signals(code - 128).name}: {saved}. Resume with: {again}"
 
 
 def launch_training(args, cfg: Config, console: Console) -> int:
@@ -58,9 +74,15 @@ def launch_training(args, cfg: Config, console: Console) -> int:
         raise UserError("a job over several machines needs one run name on all of them: add --set run.name=NAME")
     else:
         run_dir = Path(cfg.run.dir) / f"{cfg.model.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    if args.resume and not complete_checkpoints(run_dir / "checkpoints"):
+        raise UserError(f"nothing to resume: {run_dir / 'checkpoints'} holds no complete checkpoint; "
+                        f"start a new run instead")
     if not args.resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
         raise UserError(f"run folder {run_dir} already holds a run: continue it with --resume {run_dir}, "
                         f"or choose another --set run.name=...")
     console.print(f"Launching {la.nproc_per_node} process(es) per node x {la.nnodes} node(s) "
                   f"on {available()[0]}; run folder {run_dir}")
-    return launch(la, _worker_argv(args, cfg, run_dir))
+    code = launch(la, _worker_argv(args, run_dir))
+    if code > 128:
+        console.print(_stopped(code, run_dir, la), markup=False, soft_wrap=True)
+    return code

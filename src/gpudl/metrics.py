@@ -18,10 +18,13 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from .data.loader import Batch, map_tensors, tensors_in
 
-def count_training_flops(model: nn.Module, batch: tuple[torch.Tensor, ...],
-                         loss_fn: Callable[[nn.Module, tuple], torch.Tensor]) -> int:
+
+def count_training_flops(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor]) -> int:
     """FLOPs of one forward + backward of `model` on `batch` (any device, meta included).
+
+    `batch` is what `loss_fn` takes: tensors in tuples, lists and dicts, nested.
 
     Attention runs through the math kernel while counting, so it is counted on every device
     (the counter knows the CUDA flash kernels but not the CPU one). RNG state and gradients
@@ -29,7 +32,7 @@ def count_training_flops(model: nn.Module, batch: tuple[torch.Tensor, ...],
     """
     grads = {p: p.grad for p in model.parameters()}
     buffers = {b: b.clone() for b in model.buffers()}  # e.g. BatchNorm statistics a forward updates
-    devices = [t.device for t in batch if t.device.type == "cuda"][:1]
+    devices = [t.device for t in tensors_in(batch) if t.device.type == "cuda"][:1]
     with torch.random.fork_rng(devices=devices), sdpa_kernel(SDPBackend.MATH), \
             FlopCounterMode(display=False) as counter:
         loss_fn(model, batch).backward()
@@ -41,9 +44,9 @@ def count_training_flops(model: nn.Module, batch: tuple[torch.Tensor, ...],
     return int(counter.get_total_flops())
 
 
-def meta_batch(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """A batch of the same shapes and dtypes on the meta device."""
-    return tuple(torch.empty_like(t, device="meta") for t in batch)
+def meta_batch(batch: Batch) -> Batch:
+    """A batch of the same structure, shapes and dtypes on the meta device."""
+    return map_tensors(lambda t: torch.empty_like(t, device="meta"), batch)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -6,12 +6,14 @@ evaluating and checkpointing is left out of the throughput figures.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from .interrupt import StopRequest
 from .metrics import Throughput, peak_memory_bytes
 from .train import TrainState
 
@@ -31,17 +33,21 @@ class Monitor:
     save_every: int = 0
     reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t  # mean over data-parallel ranks
     note: Callable[[int, str], None] = lambda step, phase: None    # where this rank is, for stall reports
+    stop: StopRequest | None = None                                 # SIGINT/SIGTERM: save and stop early
     records: list[dict] = field(default_factory=list)
     _losses: list = field(default_factory=list)
     _norms: list = field(default_factory=list)
     _wait_mark: float = 0.0
     _excluded: float = 0.0
     _step_end: float = 0.0
+    _lr: float = 0.0
+    _saved_step: int = -1
 
     def on_step(self, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
         self.throughput.tick()
         self._losses.append(loss)
         self._norms.append(grad_norm)
+        self._lr = lr
         if state.step % self.log_every == 0 or state.step == self.max_steps:
             self._log(state, lr)
         self._step_end = time.perf_counter()
@@ -56,9 +62,10 @@ class Monitor:
         self._excluded = 0.0
         wait = self.data_wait()
         window_s = rates["step_s"] * len(losses)
-        finite_losses = [x for x in losses if x == x and abs(x) != float("inf")]
-        record = {
-            "kind": "train", "step": state.step, "loss": sum(finite_losses) / max(len(finite_losses), 1),
+        finite_losses = [x for x in losses if math.isfinite(x)]
+        record = {  # a window of non-finite losses only has no loss: NaN, never 0
+            "kind": "train", "step": state.step,
+            "loss": sum(finite_losses) / len(finite_losses) if finite_losses else float("nan"),
             "lr": lr, "grad_norm": norms[-1], **rates,
             "peak_mem_gb": peak_memory_bytes(self.device) / 2**30,
             "data_wait_frac": min(1.0, (wait - self._wait_mark) / window_s) if window_s > 0 else 0.0,
@@ -83,14 +90,24 @@ class Monitor:
         if self.save is not None and (state.step == self.max_steps or
                                       (self.save_every and state.step % self.save_every == 0)):
             t0 = time.perf_counter()
-            self.note(state.step, "checkpoint save")
-            self.save(state)
+            self._save(state)
             self._excluded += time.perf_counter() - t0
         self.note(state.step + 1, "training step")
 
-    def exclude(self, seconds: float) -> None:
-        """Leave `seconds` (evaluation, say) out of the current throughput window."""
-        self._excluded += seconds
+    def should_stop(self, state: TrainState) -> bool:
+        """After a stop request every rank agreed on: log the open window, save this step, stop."""
+        if self.stop is None or not self.stop.agreed():
+            return False
+        if self._losses:
+            self._log(state, self._lr)
+        if self.save is not None and self._saved_step != state.step:
+            self._save(state)
+        return True
+
+    def _save(self, state: TrainState) -> None:
+        self.note(state.step, "checkpoint save")
+        self.save(state)
+        self._saved_step = state.step
 
     def _emit(self, record: dict) -> None:
         self.records.append(record)

@@ -7,6 +7,7 @@ data loader -> training loop -> metrics -> checkpoints -> export -> sample.
 from __future__ import annotations
 
 import functools
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from . import models
 from .checkpoint import Checkpointer, model_fingerprint
+from .checkpoint.files import check_like
 from .config import Config
 from .data import Data, DeviceLoader, build_data, first_batches
 from .distributed.parallelize import compile_wanted, parallelize
@@ -83,13 +85,25 @@ def build_model(spec: models.ModelSpec, data: Data, session: Session, precision:
     return placed, flops
 
 
-def _restore(ckpt: Checkpointer, job: Job) -> TrainState:
+def _follow_config_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, peak_lr: float) -> None:
+    """The schedule goes on from where it was, but at the config's peak lr: a resumed run's
+    `--set optim.lr=...` takes effect (the restored state would keep the old one). Unchanged,
+    the lr is computed exactly as the schedule computed it, so resuming stays bit-identical."""
+    scheduler.base_lrs = [peak_lr] * len(scheduler.base_lrs)
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = peak_lr
+        group["lr"] = peak_lr * factor(scheduler.last_epoch)
+
+
+def _restore(ckpt: Checkpointer, job: Job, peak_lr: float) -> TrainState:
     path = ckpt.latest()
     if path is None:
         raise UserError(f"nothing to resume: {ckpt.folder} holds no complete checkpoint; start a new run instead")
     extra = ckpt.load(path, job.model, job.optimizer)
-    job.scheduler.load_state_dict(extra["scheduler"])
-    job.precision.load_state_dict(extra["scaler"])
+    job.scheduler.load_state_dict(check_like(path, "scheduler", extra.get("scheduler"), job.scheduler.state_dict()))
+    _follow_config_lr(job.scheduler, peak_lr)
+    scaler, live = extra.get("scaler", {}), job.precision.state_dict()
+    job.precision.load_state_dict(check_like(path, "scaler", scaler, live) if scaler and live else {})
     return TrainState(**extra["train_state"])
 
 
@@ -98,7 +112,8 @@ def _make_job(spec, placed: Parallelized, precision: Precision, data: Data, cfg:
     return Job(model=placed.model, loss_fn=models.loss_for(spec), optimizer=optimizer,
                scheduler=make_scheduler(optimizer, cfg.optim, cfg.train.max_steps), precision=precision,
                batches=iter(()), eval_fn=placed.eval_fn or eval_fn_for(spec),
-               eval_batches=(lambda: first_batches(data.val, cfg.train.eval_batches, device)) if data.val else None,
+               eval_batches=(lambda: first_batches(data.val, data.eval_batches(cfg.train.eval_batches), device))
+               if data.val else None,
                grad_sync=placed.grad_sync, micro_step=placed.micro_step or standard_micro_step,
                clip_norm=placed.clip_norm)
 
@@ -136,7 +151,7 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
     job = _make_job(spec, placed, precision, data, cfg, device)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, model_fingerprint(spec.name, spec.config),
                         is_writer=session.is_writer)
-    state = _restore(ckpt, job) if resuming else TrainState()
+    state = _restore(ckpt, job, cfg.optim.lr) if resuming else TrainState()
     if session.is_writer:
         (run_dir / "config.toml").write_text(cfg.to_toml())  # only now: a refused resume changes nothing
     loader = DeviceLoader(data.train, device, start=state.batches, num_workers=cfg.data.num_workers)
@@ -148,8 +163,22 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
                    save_every=cfg.checkpoint.every,
                    n_params=sum(p.numel() for p in models.build_meta(spec).parameters()))
     result = execute(ex, console)
-    after_training(cfg, spec, job.model, ckpt, session, run_dir, console)
+    if "stopped_by" in result.summary:  # preempted or interrupted: the checkpoint is all that is wanted now
+        console.print(f"Stopped at step {state.step} of {cfg.train.max_steps} by {result.summary['stopped_by']}; "
+                      f"checkpoint saved. Resume with: {resume_command(session, run_dir)}", markup=False, soft_wrap=True)
+    else:
+        after_training(cfg, spec, job.model, ckpt, session, run_dir, console)
     return RunResult(run_dir, result.summary, result.records, job.model, job.optimizer)
+
+
+def resume_command(session: Session, run_dir: Path) -> str:
+    """The command that continues this run with the same processes."""
+    env = session.env
+    if env is None or not env.has_agent:
+        return shlex.join(["gpudl", "train", "--resume", str(run_dir)])
+    nodes = ["--nnodes", str(env.world_size // env.local_world_size)] if env.world_size > env.local_world_size else []
+    return shlex.join(["gpudl", "train", "--nproc-per-node", str(env.local_world_size), *nodes,
+                       "--resume", str(run_dir)])
 
 
 def _announce(console, session: Session, precision: Precision, spec, data: Data, model, state) -> None:
@@ -159,5 +188,8 @@ def _announce(console, session: Session, precision: Precision, spec, data: Data,
     if session.world > 1:
         console.print(f"Parallel: {session.dims.describe()} over {session.world} processes")
     console.print(f"Data: {data.description}")
+    if data.val is None:
+        console.print(f"Evaluation: none, the data has no validation part ({data.no_val})", markup=False,
+                      soft_wrap=True)
     if state.step:
         console.print(f"Resuming at step {state.step} (batch {state.batches})")

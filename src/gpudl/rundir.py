@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from datetime import datetime
 from pathlib import Path
@@ -23,15 +24,6 @@ from .session import Session
 SAMPLE_MEMORY_SHARE = 0.25
 
 
-def _agree(session: Session, value):
-    """Rank 0's `value`, on every rank."""
-    if session.world == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def resolve_run_dir(cfg: Config, resume: str | Path | None, session: Session) -> tuple[Path, bool]:
     """(the run folder, whether to resume from its newest checkpoint), the same on every rank.
 
@@ -48,17 +40,39 @@ def resolve_run_dir(cfg: Config, resume: str | Path | None, session: Session) ->
         run_dir, resuming = Path(resume), True
     else:
         run_dir, resuming = _new_run_dir(cfg, session), False
-    if session.is_writer:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    if session.world > 1:
-        dist.barrier()
+    prepare_run_dir(run_dir, session)
     return run_dir, resuming
 
 
+def prepare_run_dir(run_dir: Path, session: Session) -> None:
+    """Create the run folder (on rank 0) and write a probe file in it: a place that cannot hold a run
+    fails now, in one line, on every rank."""
+    problem = None
+    if session.is_writer:
+        try:
+            _probe(run_dir)
+        except UserError as e:
+            problem = str(e)
+    problem = session.agree(problem)
+    if problem:
+        raise UserError(problem)
+
+
+def _probe(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".gpudl-probe-{os.getpid()}"
+        probe.write_bytes(b"gpudl")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"cannot write the run folder {run_dir} ({e.strerror or e}): "
+                        f"set run.dir to a folder you can write") from e
+
+
 def _new_run_dir(cfg: Config, session: Session) -> Path:
-    name = _agree(session, cfg.run.name or f"{cfg.model.name}-{datetime.now():%Y%m%d-%H%M%S}")
+    name = session.agree(cfg.run.name or f"{cfg.model.name}-{datetime.now():%Y%m%d-%H%M%S}")
     run_dir = Path(cfg.run.dir) / name
-    taken = _agree(session, run_dir.exists() and any(run_dir.iterdir()))
+    taken = session.agree(run_dir.exists() and any(run_dir.iterdir()))
     if taken:
         raise UserError(f"run folder {run_dir} already holds a run: continue it with --resume {run_dir}, "
                         f"or choose another --set run.name=...")

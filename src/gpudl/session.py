@@ -33,6 +33,7 @@ class Session:
     mesh: DeviceMesh | None = None
     dp_mesh: DeviceMesh | None = None   # the data-parallel ranks, flattened to one dimension
     timeout_s: int = 600
+    control: dist.ProcessGroup | None = None  # a Gloo group of all ranks for host-side agreement (stop requests)
 
     def watch(self) -> Progress | None:
         """Progress notes that turn a collective timeout into a named error (None for one process)."""
@@ -57,6 +58,14 @@ class Session:
     @property
     def is_writer(self) -> bool:
         return self.rank == 0
+
+    def agree(self, value):
+        """Rank 0's `value` (plain data), on every rank."""
+        if self.world == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
         """Mean over data-parallel ranks (identity for one process). Gloo has no AVG: sum, then divide."""
@@ -84,7 +93,8 @@ def start_session(run: RunConfig, console: Console, timeout_s: int = 600, init_m
         console.print(f"Using device: {info.label}{where}")
     if info.type == "cpu" and run.keep_host_memory and keep_freed_memory() and not quiet:
         console.print("Host memory: freed blocks are kept for the next step (glibc malloc tuned)")
-    return Session(info, env, timeout_s=timeout_s)
+    control = dist.new_group(backend="gloo") if env is not None and env.world_size > 1 else None
+    return Session(info, env, timeout_s=timeout_s, control=control)
 
 
 def plan_parallel(session: Session, cfg: ParallelConfig, n_params: int) -> Session:

@@ -9,6 +9,7 @@ name), a value of the wrong type, a value out of range.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -90,8 +91,14 @@ def _coerce(tp: Any, value: Any) -> Any:
 
 
 def _check_limits(key: str, value: Any, meta: dict) -> None:
-    if value is None or isinstance(value, (bool, str, tuple)):
+    if isinstance(value, tuple):
+        if not all(math.isfinite(v) for v in value if isinstance(v, float)):
+            raise UserError(f"{key} must hold finite numbers, got {list(value)!r}")
         return
+    if value is None or isinstance(value, (bool, str)):
+        return
+    if not math.isfinite(value):  # inf passes every bound, and nan fails none: neither is a setting
+        raise UserError(f"{key} must be a finite number, got {value!r}: set --set {key}=<a number>")
     for name, ok, words in (
         ("ge", lambda v, b: v >= b, ">="),
         ("gt", lambda v, b: v > b, ">"),

@@ -15,10 +15,20 @@ CSV_COLUMNS = ["step", "loss", "lr", "grad_norm", "step_s", "samples_per_s", "un
 
 
 def read_records(run_dir: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl; a line that is not a JSON record (the half-written last line
+    of a run that was killed, or an edit) is left out rather than failing a resume or a report."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_text(encoding="utf8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
 
 
 class FileSink:

@@ -69,6 +69,7 @@ class Events(Protocol):
     def on_step(self, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None: ...
     def on_eval(self, state: TrainState, metrics: dict[str, float]) -> None: ...
     def after_step(self, state: TrainState) -> None: ...
+    def should_stop(self, state: TrainState) -> bool: ...
 
 
 class NonFiniteError(UserError):
@@ -108,15 +109,16 @@ def check_finite(grad_norm: torch.Tensor, state: TrainState, limit: int) -> bool
 
 @torch.no_grad()
 def evaluate(job: Job) -> dict[str, float]:
-    """Mean of each evaluation metric over the evaluation batches, in eval mode."""
+    """Mean of each evaluation metric over the evaluation samples, in eval mode."""
     job.model.eval()
     sums: dict[str, torch.Tensor] = {}
     n = 0
     for batch in job.eval_batches():
+        rows = len(batch[0])  # a finite evaluation set's last batch may be smaller: weigh by rows
         with job.precision.autocast():
             for key, value in job.eval_fn(job.model, batch).items():
-                sums[key] = sums.get(key, 0) + value.detach().float()
-        n += 1
+                sums[key] = sums.get(key, 0) + value.detach().float() * rows
+        n += rows
     job.model.train()
     return {k: float(v) / max(n, 1) for k, v in sums.items()}
 
@@ -137,7 +139,7 @@ def _due(step: int, every: int, last: int) -> bool:
 
 
 def train_loop(job: Job, cfg: TrainConfig, state: TrainState, events: Events) -> TrainState:
-    """Train from `state` to `cfg.max_steps`, reporting to `events`."""
+    """Train from `state` to `cfg.max_steps`, reporting to `events`, or until they ask to stop."""
     job.model.train()
     while state.step < cfg.max_steps:
         loss = forward_backward(job, cfg.grad_accum)
@@ -153,4 +155,6 @@ def train_loop(job: Job, cfg: TrainConfig, state: TrainState, events: Events) ->
         if job.eval_batches is not None and _due(state.step, cfg.eval_every, cfg.max_steps):
             events.on_eval(state, evaluate(job))
         events.after_step(state)
+        if events.should_stop(state):
+            break
     return state

@@ -155,3 +155,36 @@ def fit_user_model(batch_size: int, parallel: dict | None = None) -> dict:
                        precision="fp32", log_every=1, quiet=True, parallel=ParallelConfig(**(parallel or {})))
     return {"losses": [r["loss"] for r in result.records if r["kind"] == "train"],
             "params": full_params(result.model)}
+
+
+def hf_gpt2_and_data(seed: int = 0):
+    """A Hugging Face GPT-2 (random init, no dropout, so runs compare) and counting sequences as a
+    dict of columns: each sample is {"input_ids", "labels"}, as a Hugging Face pipeline gives it."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=16, n_positions=16, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    g = torch.Generator().manual_seed(seed)
+    ids = (torch.randint(0, 16, (256, 1), generator=g) + torch.arange(16)) % 16
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def fit_hf_gpt2(batch_size: int, parallel: dict | None = None, data: str = "columns") -> dict:
+    """fit on the dict of columns (batch_size samples per rank), or on a DataLoader over the same
+    samples in order (its batch size per rank; on several ranks each takes every other batch)."""
+    from torch.utils.data import DataLoader
+
+    import gpudl
+    from gpudl.config import ParallelConfig
+
+    model, columns = hf_gpt2_and_data()
+    if data == "dataloader":
+        samples = [{"input_ids": row, "labels": row} for row in columns["input_ids"]]
+        columns = DataLoader(samples, batch_size=batch_size)
+    result = gpudl.fit(model, columns, max_steps=8, batch_size=batch_size, lr=3e-3, precision="fp32", log_every=1,
+                       quiet=True, parallel=ParallelConfig(**(parallel or {})))
+    return {"losses": [r["loss"] for r in result.records if r["kind"] == "train"],
+            "params": full_params(result.model), "mfu": result.metrics.mfu}

@@ -72,4 +72,4 @@ def run_ranks(body: str, world: int, tmp_path: Path, backend: str = "gloo", time
         detail = "\n".join(f"--- rank {r} (exit {procs[r].returncode}) ---\n{_output(logs[r])}" for r in range(world))
         what = f"timed out after {timeout:.0f} s (ranks {hung} still running, killed)" if hung else f"ranks {failed} failed"
         pytest.fail(f"{body} on {world} {backend} processes {what}:\n{detail}", pytrace=False)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -62,13 +63,21 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+LONG = ["--set", "train.max_steps=300", "--set", "checkpoint.every=20", "--set", "train.eval_every=0",
+        "--set", "train.log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """Losses of an uninterrupted two-process run of the LONG settings."""
+    root = tmp_path_factory.mktemp("reference")
+    finish(gpudl("--nproc-per-node", "2", *LONG, "--set", f"run.dir={root}", "--set", "run.name=ref", cwd=root))
+    return losses(root / "ref")
+
+
 @pytest.mark.slow
-def test_a_killed_worker_is_restarted_and_the_run_resumes_exactly(tmp_path):
-    long = ["--set", "train.max_steps=300", "--set", "checkpoint.every=20", "--set", "train.eval_every=0"]
-    ref = gpudl("--nproc-per-node", "2", *long, "--set", f"run.dir={tmp_path}", "--set", "run.name=ref",
-                cwd=tmp_path)
-    finish(ref)
-    job = gpudl("--nproc-per-node", "2", "--max-restarts", "1", *long, "--set", f"run.dir={tmp_path}",
+def test_a_killed_worker_is_restarted_and_the_run_resumes_exactly(tmp_path, reference):
+    job = gpudl("--nproc-per-node", "2", "--max-restarts", "1", *LONG, "--set", f"run.dir={tmp_path}",
                 "--set", "run.name=killed", cwd=tmp_path)
     first = tmp_path / "killed" / "checkpoints" / "step_00000020"
     deadline = time.monotonic() + 120
@@ -79,7 +88,34 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_exactly(tmp_path):
     os.kill(workers[1], signal.SIGKILL)
     out = finish(job)
     assert "Resuming at step" in out
-    assert losses(tmp_path / "killed") == losses(tmp_path / "ref")
+    assert losses(tmp_path / "killed") == reference
+
+
+@pytest.mark.slow
+def test_a_signalled_launch_saves_and_resumes_with_its_own_config(tmp_path, reference):
+    """SIGINT to the launcher (Ctrl-C): the agent passes it on, both ranks stop after one agreed step and save;
+    `--resume` through the launcher then reads the run's config.toml, not the default recipe."""
+    run = tmp_path / "cut"
+    job = gpudl("--nproc-per-node", "2", *LONG, "--set", f"run.dir={tmp_path}", "--set", "run.name=cut",
+                cwd=tmp_path)
+    step = random.randint(25, 150)
+    deadline = time.monotonic() + 120
+    while (len(losses(run)) if (run / "metrics.jsonl").exists() else 0) < step and time.monotonic() < deadline \
+            and job.poll() is None:
+        time.sleep(0.01)
+    job.send_signal(signal.SIGINT)
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 128 + signal.SIGINT and "Traceback" not in out, out[-4000:]
+    stopped = max(losses(run))
+    assert step <= stopped < 300 and (run / "checkpoints" / f"step_{stopped:08d}").is_dir(), out[-4000:]
+    assert f"Stopped by SIGINT: the newest checkpoint is step {stopped}. Resume with: gpudl train " \
+           f"--nproc-per-node 2 --resume {run}" in out
+    config = (run / "config.toml").read_text()
+    resumed = subprocess.run([sys.executable, "-m", "gpudl", "train", "--nproc-per-node", "2", "--resume", str(run)],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0 and f"Resuming at step {stopped}" in resumed.stdout, resumed.stdout[-4000:]
+    assert (run / "config.toml").read_text() == config  # no --set given: the run's config is left as it was
+    assert losses(run) == reference, f"signalled at step {step}, stopped at {stopped}"
 
 
 def free_port() -> int:

@@ -7,8 +7,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from rich.console import Console
 
-from gpudl.checkpoint import SafeLoadPlanner
-from gpudl.ckpt_files import complete_checkpoints
+from gpudl.checkpoint.reader import SafeLoadPlanner
+from gpudl.checkpoint import complete_checkpoints
 from gpudl.errors import UserError
 from gpudl.run import train
 

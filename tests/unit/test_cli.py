@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from conftest import TINY, run_cli
-from gpudl.ckpt_files import complete_checkpoints
+from gpudl.checkpoint import complete_checkpoints
 from gpudl.cli import main
 
 SETS = [a for item in TINY for a in ("--set", item)]

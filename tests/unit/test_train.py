@@ -26,6 +26,9 @@ class Quiet:
     def after_step(self, state):
         pass
 
+    def should_stop(self, state):
+        return False
+
 
 def make_net(seed=0):
     torch.manual_seed(seed)

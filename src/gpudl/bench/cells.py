@@ -66,6 +66,9 @@ class _Quiet:
     def on_eval(self, *args) -> None: ...
     def after_step(self, *args) -> None: ...
 
+    def should_stop(self, *args) -> bool:
+        return False
+
 
 def _batches(cell: Cell, device: torch.device) -> tuple[Iterator, DeviceLoader | None]:
     cfg = cell.cfg

@@ -27,13 +27,21 @@ def _summary_rows(summary: dict) -> list[str]:
     return rows
 
 
+def _summary(path: Path) -> dict:
+    """summary.json as a table of figures, or {} when there is none that reads as one."""
+    try:
+        summary = json.loads(path.read_text(encoding="utf8"))
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
 def report_run(run_dir: Path) -> tuple[list[Path], list[str]]:
     """Write the plots and RUN_DIR/report.md; returns (files written, notes for the user)."""
     records = read_records(run_dir)
     if not any(r.get("kind") == "train" for r in records):
         raise UserError(f"{run_dir} has no training metrics (metrics.jsonl): train first, then report")
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary = _summary(run_dir / "summary.json")
     unit = _unit(summary)
     notes, written = [], []
     if plots.available():

@@ -15,11 +15,12 @@ from pathlib import Path
 from ..config import DataConfig
 from ..errors import UserError
 from ..models import ModelSpec
-from .images import ImageBatches, load_images
+from .images import ImageBatches, ImageEvalBatches, load_images
 from .loader import Batch, BatchSource, DeviceLoader, first_batches
 from .synthetic import SyntheticImages, SyntheticTokens
 from .text import TextBatches, TokenStream, byte_corpus
 
+NO_VAL = "data.val_fraction is 0: set it > 0 to hold out part of the data"
 KINDS_FOR = {"gpt": ("text", "tokens", "synthetic"), "resnet": ("images", "synthetic")}
 
 
@@ -34,6 +35,11 @@ class Data:
     description: str
     model_fit: dict = field(default_factory=dict)  # model settings the data implies (classes, channels)
     vocab_size: int | None = None
+    no_val: str = ""               # why there is no validation part (when `val` is None)
+
+    def eval_batches(self, wanted: int) -> int:
+        """How many validation batches to evaluate: `wanted`, but one pass at most of a finite set."""
+        return min(wanted, getattr(self.val, "batches_per_pass", wanted))
 
 
 def build_data(cfg: DataConfig, spec: ModelSpec, batch_size: int, seed: int, rank: int = 0, world: int = 1) -> Data:
@@ -66,8 +72,11 @@ def _token_data(cfg, kind, spec, batch_size, seed, rank, world) -> Data:
     train = TextBatches(stream.part("train"), block, batch_size, seed, rank, world)
     val_part = stream.part("val")
     val = TextBatches(val_part, block, batch_size, seed + 1, rank, world) if len(val_part) > block + 1 else None
+    no_val = "" if val else NO_VAL if not cfg.val_fraction else \
+        (f"data.val_fraction={cfg.val_fraction} leaves {len(val_part):,} tokens for validation, fewer than one "
+         f"window of model.block_size+1={block + 1}: raise data.val_fraction")
     return Data(train, val, "tokens", block, f"{what}: {len(stream.tokens):,} tokens ({dtype})",
-                vocab_size=stream.vocab_size)
+                vocab_size=stream.vocab_size, no_val=no_val)
 
 
 def _image_data(cfg, kind, spec, batch_size, seed, rank, world) -> Data:
@@ -81,9 +90,10 @@ def _image_data(cfg, kind, spec, batch_size, seed, rank, world) -> Data:
     train, val = images.split(cfg.val_fraction, seed)
     what = cfg.path or "generated shapes"
     fit = {"num_classes": len(images.classes), "in_channels": images.images.shape[1]}
-    return Data(ImageBatches(train, batch_size, seed, rank, world),
-                ImageBatches(val, batch_size, seed + 1, rank, world) if len(val.labels) >= batch_size * world else None,
-                "images", 1, f"{what}: {len(images.labels):,} images, {len(images.classes)} classes", model_fit=fit)
+    batches = ImageBatches(train, batch_size, seed, rank, world)
+    val_set = ImageEvalBatches(val, batch_size, batches.mean, batches.std, rank, world) if len(val.labels) else None
+    return Data(batches, val_set, "images", 1, f"{what}: {len(images.labels):,} images, {len(images.classes)} classes",
+                model_fit=fit, no_val="" if val_set else NO_VAL)
 
 
 __all__ = ["Data", "build_data", "Batch", "BatchSource", "DeviceLoader", "first_batches"]

@@ -105,6 +105,12 @@ def image_folder(root: Path, size: int) -> ImageSet:
     return ImageSet(images, torch.tensor([c for _, c in files]), classes)
 
 
+def _normalizer(data: ImageSet) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and std (C, 1, 1) of a set's pixels in [0, 1]."""
+    pixels = data.images.float() / 255.0
+    return pixels.mean(dim=(0, 2, 3), keepdim=True)[0], pixels.std(dim=(0, 2, 3), keepdim=True)[0].clamp_min(1e-3)
+
+
 class ImageBatches:
     """Batch source: (images float (B, C, H, W) normalised per channel, labels (B,))."""
 
@@ -115,9 +121,7 @@ class ImageBatches:
             raise UserError(f"the image set has {n} images, fewer than one batch of {batch_size * world} "
                             f"(train.batch_size x processes): lower train.batch_size")
         self.per_epoch = n // (batch_size * world)
-        pixels = data.images.float() / 255.0
-        self.mean = pixels.mean(dim=(0, 2, 3), keepdim=True)[0]
-        self.std = pixels.std(dim=(0, 2, 3), keepdim=True)[0].clamp_min(1e-3)
+        self.mean, self.std = _normalizer(data)
         self._perm_epoch, self._perm = -1, None
 
     def _permutation(self, epoch: int) -> torch.Tensor:
@@ -131,5 +135,31 @@ class ImageBatches:
         glob = self.batch_size * self.world
         start = pos * glob + self.rank * self.batch_size
         idx = self._permutation(epoch)[start:start + self.batch_size]
+        x = (self.data.images[idx].float() / 255.0 - self.mean) / self.std
+        return x, self.data.labels[idx]
+
+
+class ImageEvalBatches:
+    """An evaluation set: every image once, in order, `batches_per_pass` batches of up to `batch_size` per rank.
+
+    Unlike training batches, the last one may be smaller, so a validation part smaller than one
+    batch is still evaluated; each global batch is split as evenly as possible over the ranks.
+    Normalised with the training part's statistics (`mean`, `std`), as the model was trained.
+    """
+
+    def __init__(self, data: ImageSet, batch_size: int, mean: torch.Tensor, std: torch.Tensor,
+                 rank: int = 0, world: int = 1):
+        n = len(data.labels)
+        if n < world:
+            raise UserError(f"the validation part has {n} images, fewer than the {world} processes: "
+                            f"raise data.val_fraction")
+        self.data, self.mean, self.std, self.rank, self.world = data, mean, std, rank, world
+        self.global_batch = batch_size * world
+        self.batches_per_pass = -(-n // self.global_batch)
+
+    def batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k %= self.batches_per_pass
+        positions = torch.arange(k * self.global_batch, min(len(self.data.labels), (k + 1) * self.global_batch))
+        idx = positions.tensor_split(self.world)[self.rank]
         x = (self.data.images[idx].float() / 255.0 - self.mean) / self.std
         return x, self.data.labels[idx]

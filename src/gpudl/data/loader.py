@@ -1,22 +1,51 @@
 """Feed a batch source to a device, one batch ahead of the training loop.
 
-A batch source is anything with `batch(k) -> tuple[Tensor, ...]`, a pure function of the batch
-number k for this data-parallel rank. The loader walks k = start, start+1, ...; resuming is
-starting at the position a checkpoint recorded. On CUDA-like devices host batches are pinned
-and copied on a side stream with `non_blocking=True`, so the copy of batch k+1 overlaps step k.
+A batch source is anything with `batch(k) -> Batch`, a pure function of the batch number k for
+this data-parallel rank. A batch is a tuple of tensors (the recipes' sources), or what a user's
+data holds: tensors in tuples, lists and dicts, nested. The loader walks k = start, start+1, ...;
+resuming is starting at the position a checkpoint recorded. On CUDA-like devices host batches
+are pinned and copied on a side stream with `non_blocking=True`, so the copy of batch k+1
+overlaps step k.
 """
 
 from __future__ import annotations
 
 import itertools
+import signal
 import time
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-Batch = tuple[torch.Tensor, ...]
+# Tensors in tuples, lists and dicts, nested; the loop gets a tuple (inputs..., target) or a dict.
+Batch = tuple | dict
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], batch: Any) -> Any:
+    """`batch` with `fn` applied to every tensor in it; any other mapping (a Hugging Face
+    BatchEncoding, say) becomes a dict, and what is not a tensor (a string, a number) stays."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return {k: map_tensors(fn, v) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple keeps its type
+        return type(batch)(*(map_tensors(fn, v) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_tensors(fn, v) for v in batch)
+    return batch
+
+
+def tensors_in(batch: Any) -> list[torch.Tensor]:
+    """Every tensor in `batch`, in order."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if not isinstance(batch, (tuple, list)):
+        return []
+    return [t for item in batch for t in tensors_in(item)]
 
 
 class BatchSource(Protocol):
@@ -45,8 +74,15 @@ def _host_batches(source: BatchSource, start: int, num_workers: int, pin: bool) 
     if num_workers == 0:
         return (source.batch(k) for k in itertools.count(start))
     loader = DataLoader(_BatchNumbers(source), batch_size=None, sampler=_CountFrom(start), num_workers=num_workers,
-                        pin_memory=pin, prefetch_factor=4, persistent_workers=False)
+                        pin_memory=pin, prefetch_factor=4, persistent_workers=False,
+                        worker_init_fn=_leave_signals_to_the_trainer)
     return iter(loader)
+
+
+def _leave_signals_to_the_trainer(worker_id: int) -> None:
+    """Ctrl-C reaches every process of the terminal's group; a loader worker that died of it would
+    fail the step the trainer is finishing before it saves (see interrupt.py)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class DeviceLoader:
@@ -61,26 +97,37 @@ class DeviceLoader:
         self._module = torch.get_device_module(device.type) if device.type in ("cuda", "xpu") else None
         self._stream = self._module.Stream(device) if self._module is not None else None
         self._host = _host_batches(source, start, num_workers, pin=self._stream is not None)
-        self._ahead = self._to_device(next(self._host))
+        self._prefetch()
 
     def _to_device(self, batch: Batch) -> Batch:
         if self._stream is None:
-            return tuple(t.to(self.device) for t in batch)
+            return map_tensors(lambda t: t.to(self.device), batch)
         with self._module.stream(self._stream):
-            return tuple((t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True) for t in batch)
+            return map_tensors(lambda t: (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True),
+                               batch)
+
+    def _prefetch(self) -> None:
+        """Start on the next batch. An error in making it waits until the loop asks for that batch:
+        a run's last batch may be the last one a one-shot iterator has, and nothing needs the next."""
+        try:
+            self._ahead, self._error = self._to_device(next(self._host)), None
+        except Exception as e:
+            self._ahead, self._error = None, e
 
     def __iter__(self) -> DeviceLoader:
         return self
 
     def __next__(self) -> Batch:
+        if self._error is not None:
+            raise self._error
         t0 = time.perf_counter()
         batch = self._ahead
         if self._stream is not None:
             current = self._module.current_stream(self.device)
             current.wait_stream(self._stream)
-            for t in batch:
+            for t in tensors_in(batch):
                 t.record_stream(current)  # the side stream's allocation is now used on the main stream
-        self._ahead = self._to_device(next(self._host))
+        self._prefetch()
         self.position += 1
         self.wait_s += time.perf_counter() - t0
         return batch
@@ -89,4 +136,4 @@ class DeviceLoader:
 def first_batches(source: BatchSource, n: int, device: torch.device) -> Iterator[Batch]:
     """Batches 0..n-1 of a source on `device`: the same evaluation set every time it is asked for."""
     for k in range(n):
-        yield tuple(t.to(device) for t in source.batch(k))
+        yield map_tensors(lambda t: t.to(device), source.batch(k))

@@ -96,6 +96,7 @@ def torchrun_argv(args: LaunchArgs, worker_argv: list[str]) -> list[str]:
 def launch(args: LaunchArgs, worker_argv: list[str]) -> int:
     """Run the job; returns the exit status (a failed worker's, or 1)."""
     import torch
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -111,4 +112,6 @@ def launch(args: LaunchArgs, worker_argv: list[str]) -> int:
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
         return next((c for c in codes if c == 2), codes[0] if codes else 1)
+    except SignalException as e:  # SIGINT/SIGTERM: the agent passed it on and waited for the workers to save
+        return 128 + e.sigval
     return 0

@@ -1,5 +1,5 @@
 """Checkpoints through `torch.distributed.checkpoint`: sharded, atomic, verified, resumable at any
-world size; safetensors export.
+world size.
 
 A checkpoint is the folder `checkpoints/step_NNNNNNNN/`: the DCP files (model and optimizer,
 each rank writing its own shards, and each rank's RNG states), `state.json` (loop position,
@@ -7,13 +7,13 @@ schedule, loss scale, which model) and, written last, `manifest.json`. Everythin
 written to a `.tmp` folder that rank 0 renames into place once every rank has finished, so a
 crash during a save leaves the previous checkpoint in use. Parameter names are those of the
 whole model on every layout, so a checkpoint saved by 4 ranks loads on 2 or 1 (DCP reshards).
-Nothing is unpickled with `weights_only=False`.
+Loading never runs code from the files (see `reader.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
+import errno
 import json
 import os
 import shutil
@@ -26,27 +26,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
-from .ckpt_files import PREFIX, complete_checkpoints, manifest, verify
-from .errors import UserError
+from ..errors import UserError
+from .files import PREFIX, check_like, complete_checkpoints, manifest, verify
+from .reader import (METADATA_FILE, SafeLoadPlanner, SafeReader, UnsafeCheckpointFile, check_byte_entries,
+                     check_storage_files, read_metadata_file)
 
 # Optimizer state keyed by parameter name, hyperparameters too ("param_groups.<name>.lr"): ranks
 # that hold different parameters (pipeline stages) would each write a `param_groups` list of their
 # own names, of which DCP keeps one.
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, but a non-tensor entry must first load with `weights_only=True`."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        data = value.read()
-        torch.load(io.BytesIO(data), weights_only=True)  # raises on anything but plain data
-        super().load_bytes(read_item, io.BytesIO(data))  # vetted: now place it as DCP does
 
 
 @contextmanager
@@ -59,11 +51,6 @@ def _single_process_ok():
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -84,14 +71,68 @@ def _device_of(model: nn.Module) -> torch.device:
     return p.device if not isinstance(p, DTensor) else p.to_local().device
 
 
+def _unsafe(ckpt: Path, e: UnsafeCheckpointFile) -> UserError:
+    return UserError(f"checkpoint {ckpt} was not loaded: {e.name} {e.why}; gpudl never writes that, so "
+                     f"the file was made or changed elsewhere: delete the checkpoint, and do not trust its source")
+
+
+def _refusal(ckpt: Path, e: BaseException) -> UserError:
+    """One line for a failed DCP load: the file that was refused, or what did not fit."""
+    failures = e.failures.values() if isinstance(e, CheckpointException) else [(e, None)]
+    for exc, _ in failures:
+        if isinstance(exc, UnsafeCheckpointFile):
+            return _unsafe(ckpt, exc)
+    # The manifest matched, so the bytes are as written: the format is what does not fit.
+    return UserError(f"checkpoint {ckpt} could not be read ({type(e).__name__}): "
+                     f"it was written by an incompatible version or is damaged")
+
+
 def _dcp_load(sd: dict, ckpt: Path, partial: bool, no_dist: bool) -> None:
     try:
         with _single_process_ok():
-            dcp.load(sd, checkpoint_id=str(ckpt), planner=SafeLoadPlanner(allow_partial_load=partial), no_dist=no_dist)
+            dcp.load(sd, storage_reader=SafeReader(ckpt), planner=SafeLoadPlanner(allow_partial_load=partial),
+                     no_dist=no_dist)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        # The manifest matched, so the bytes are as written: the format is what does not fit.
-        raise UserError(f"checkpoint {ckpt} could not be read ({type(e).__name__}): "
-                        f"it was written by an incompatible version or is damaged") from None
+        raise _refusal(ckpt, e) from e
+
+
+def vet(ckpt: Path) -> dict:
+    """state.json of an intact checkpoint whose metadata is safe to hand to DCP; a UserError otherwise."""
+    state = verify(ckpt)
+    try:
+        metadata = read_metadata_file(ckpt / METADATA_FILE)
+        check_storage_files(metadata, ckpt)
+        check_byte_entries(metadata, ckpt)
+    except UnsafeCheckpointFile as e:
+        raise _unsafe(ckpt, e) from e
+    return state
+
+
+def _all_finite(model: nn.Module, collective: bool = True) -> bool:
+    """Every rank's weights are finite (one collective: each rank checks the parameters it holds)."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    ok = torch.stack([torch.isfinite(p.detach()).all() for p in local]).all().to(torch.int32)
+    if collective and dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok)
+
+
+def _write_error(folder: Path, e: BaseException) -> str:
+    """What went wrong with a write, in words: a full disk is the usual reason, and torch's own message hides it."""
+    causes = [e, *(exc for exc, _ in e.failures.values())] if isinstance(e, CheckpointException) else [e]
+    for cause in causes:
+        while cause is not None:
+            if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+                return "the disk is full"
+            if isinstance(cause, OSError) and cause.strerror:
+                return cause.strerror.lower()
+            cause = cause.__cause__ or cause.__context__
+    try:
+        if shutil.disk_usage(folder).free < 64 * 2**20:
+            return "the disk is full"
+    except OSError:
+        pass
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'}"
 
 
 class Checkpointer:
@@ -105,27 +146,60 @@ class Checkpointer:
         self.folder, self.keep, self.fingerprint, self.is_writer = folder, keep, model_fingerprint, is_writer
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
-        """Write checkpoint `step`; `extra` is JSON-able loop state (train state, schedule, scaler)."""
+        """Write checkpoint `step`; `extra` is JSON-able loop state (train state, schedule, scaler).
+
+        Weights that are not finite are never saved (they would prune the good checkpoints), and
+        a write that fails (a full disk) leaves the previous checkpoint as it was: a UserError either way.
+        """
         final = self.folder / f"{PREFIX}{step:08d}"
         tmp = self.folder / f"{final.name}.tmp"
-        if self.is_writer:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        _barrier()
+        if not _all_finite(model):
+            raise UserError(f"the weights are not finite (NaN or Inf) at step {step}: no checkpoint written, "
+                            f"{self._kept()}; lower optim.lr, or use precision=bf16-mixed or fp32")
+        self._on_writer(lambda: (shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True)), step, tmp)
         state = {"model": get_model_state_dict(model),
                  "optim": get_optimizer_state_dict(model, optimizer, options=OPTIM_OPTIONS),
                  f"rng_{_rank()}": _rng_state(_device_of(model))}  # a key per rank: each has its own streams
-        with _single_process_ok():
-            dcp.save(state, checkpoint_id=str(tmp))
-        _barrier()  # every rank's shards and the metadata are on disk
-        if self.is_writer:
-            (tmp / "state.json").write_text(json.dumps({"model": self.fingerprint, **extra}, indent=1))
-            (tmp / "manifest.json").write_text(json.dumps(manifest(tmp), indent=1))
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)  # the step counts from here on
-            self._prune()
-        _barrier()
+        try:
+            with _single_process_ok():
+                dcp.save(state, checkpoint_id=str(tmp))  # collective: a failure on one rank fails it on all
+        except (Exception, CheckpointException) as e:
+            if self.is_writer:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise self._write_failed(step, e) from e
+        self._on_writer(lambda: self._finish(tmp, final, extra), step, tmp)
         return final
+
+    def _finish(self, tmp: Path, final: Path, extra: dict) -> None:
+        (tmp / "state.json").write_text(json.dumps({"model": self.fingerprint, **extra}, indent=1))
+        (tmp / "manifest.json").write_text(json.dumps(manifest(tmp), indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # the step counts from here on
+        self._prune()
+
+    def _on_writer(self, write, step: int, tmp: Path) -> None:
+        """`write()` on the writer; every rank learns whether it failed (so none waits for the others)."""
+        error = None
+        if self.is_writer:
+            try:
+                write()
+            except OSError as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                error = str(self._write_failed(step, e))
+        if dist.is_initialized():
+            box = [error]
+            dist.broadcast_object_list(box, src=0)
+            error = box[0]
+        if error:
+            raise UserError(error)
+
+    def _kept(self) -> str:
+        latest = self.latest()
+        return f"the last good one, {latest}, is kept" if latest else "there is no earlier checkpoint"
+
+    def _write_failed(self, step: int, e: BaseException) -> UserError:
+        return UserError(f"could not write checkpoint step {step} to {self.folder}: {_write_error(self.folder, e)}; "
+                         f"{self._kept()}: make room, then resume with --resume {self.folder.parent}")
 
     def _prune(self) -> None:
         for old in complete_checkpoints(self.folder)[:-self.keep]:
@@ -138,13 +212,13 @@ class Checkpointer:
     def _verified(self, ckpt: Path, no_dist: bool) -> dict:
         """state.json of an intact checkpoint of this model; rank 0 checks, every rank gets the verdict."""
         if not dist.is_initialized() or no_dist:
-            state = verify(ckpt)
+            state = vet(ckpt)
             self._check_model(ckpt, state)
             return state
         box = [None, None]
         if _rank() == 0:
             try:
-                box[0] = verify(ckpt)
+                box[0] = vet(ckpt)
                 self._check_model(ckpt, box[0])
             except UserError as e:
                 box[1] = str(e)
@@ -171,6 +245,9 @@ class Checkpointer:
             sd["optim"] = get_optimizer_state_dict(model, optimizer, options=OPTIM_OPTIONS)
         _dcp_load(sd, ckpt, partial=optimizer is None, no_dist=no_dist)
         set_model_state_dict(model, sd["model"])
+        if not _all_finite(model, collective=not no_dist):
+            raise UserError(f"checkpoint {ckpt} holds weights that are not finite (NaN or Inf): delete it to "
+                            f"resume from the one before, or start a new run")
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, sd["optim"], options=OPTIM_OPTIONS)
             self._restore_rng(ckpt, _device_of(model), no_dist)
@@ -179,7 +256,7 @@ class Checkpointer:
     def _restore_rng(self, ckpt: Path, device: torch.device, no_dist: bool) -> None:
         """This rank's RNG streams, when the checkpoint has them (not after a change of world size)."""
         key = f"rng_{_rank()}"
-        saved = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+        saved = read_metadata_file(ckpt / METADATA_FILE).state_dict_metadata  # vetted by `_verified`
         if f"{key}.cpu" not in saved:
             return
         sd = {key: _rng_state(device)}
@@ -195,21 +272,3 @@ def model_fingerprint(name: str, config) -> dict:
     """What identifies a model for resuming: its preset and every field that shapes it (not dropout)."""
     fields = {k: v for k, v in dataclasses.asdict(config).items() if k != "dropout"}
     return {"name": name, **fields}
-
-
-def export_safetensors(model: nn.Module, path: Path, metadata: dict[str, str]) -> Path:
-    """Write a (whole, single-process) model's weights to one safetensors file (shared tensors once)."""
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        raise UserError("exporting to safetensors needs the safetensors package: pip install 'gpudl[export]'") from None
-    seen, tensors = set(), {}
-    for name, t in get_model_state_dict(model).items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if key not in seen:  # tied weights (GPT's embedding and head) are stored once
-            seen.add(key)
-            tensors[name] = t.detach().cpu().contiguous()
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
-    return path
