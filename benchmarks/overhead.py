@@ -26,13 +26,13 @@ from gpudl import models
 from gpudl.config import DataConfig, OptimConfig, TrainConfig
 from gpudl.data import build_data
 from gpudl.device import detect, synchronize
-from gpudl.host import keep_freed_memory
-from gpudl.metrics import Throughput
-from gpudl.monitor import Monitor
-from gpudl.optim import make_optimizer, make_scheduler
-from gpudl.precision import make_precision
-from gpudl.sinks import FileSink
-from gpudl.train import Job, TrainState, train_loop
+from gpudl.device.host import keep_freed_memory
+from gpudl.observe.metrics import Throughput
+from gpudl.training.monitor import Monitor
+from gpudl.training.optim import make_optimizer, make_scheduler
+from gpudl.training.precision import make_precision
+from gpudl.observe.sinks import FileSink
+from gpudl.training.loop import Job, TrainState, train_loop
 
 
 def parse() -> argparse.Namespace:

@@ -48,13 +48,13 @@ from gpudl.data import DeviceLoader
 from gpudl.data.datasets import as_batch_source
 from gpudl.device import detect, synchronize
 from gpudl.distributed.parallelize import compile_wanted, parallelize
-from gpudl.host import keep_freed_memory
-from gpudl.metrics import Throughput
-from gpudl.monitor import Monitor
-from gpudl.optim import make_optimizer, make_scheduler
-from gpudl.precision import make_precision
-from gpudl.sinks import FileSink
-from gpudl.train import Job, TrainState, train_loop
+from gpudl.device.host import keep_freed_memory
+from gpudl.observe.metrics import Throughput
+from gpudl.training.monitor import Monitor
+from gpudl.training.optim import make_optimizer, make_scheduler
+from gpudl.training.precision import make_precision
+from gpudl.observe.sinks import FileSink
+from gpudl.training.loop import Job, TrainState, train_loop
 
 LR = 3e-3
 FABRIC_PRECISION = {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "fp16-mixed": "16-mixed", "bf16-true": "bf16-true"}

@@ -16,13 +16,13 @@ from gpudl import models
 from gpudl.config import DataConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
 from gpudl.data import build_data
 from gpudl.distributed.parallelize import parallelize
-from gpudl.metrics import Throughput
-from gpudl.monitor import Monitor
-from gpudl.optim import make_optimizer, make_scheduler
-from gpudl.precision import make_precision
-from gpudl.session import plan_parallel, start_session
-from gpudl.sinks import FileSink
-from gpudl.train import Job, TrainState, train_loop
+from gpudl.observe.metrics import Throughput
+from gpudl.training.monitor import Monitor
+from gpudl.training.optim import make_optimizer, make_scheduler
+from gpudl.training.precision import make_precision
+from gpudl.training.session import plan_parallel, start_session
+from gpudl.observe.sinks import FileSink
+from gpudl.training.loop import Job, TrainState, train_loop
 
 STEPS, BATCH = 5, 16
 

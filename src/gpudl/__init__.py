@@ -15,14 +15,14 @@ __version__ = "0.1.0"
 
 def train(cfg: Config, resume=None, console=None):
     """Train the model a config describes (see `gpudl.run.train`)."""
-    from .run import train as _train
+    from .training.recipe import train as _train
 
     return _train(cfg, resume=resume, console=console)
 
 
 def fit(model, train_data, loss=None, **options):
     """Train any nn.Module on the best device (see `gpudl.api.fit` for the options)."""
-    from .api import fit as _fit
+    from .training.fit import fit as _fit
 
     return _fit(model, train_data, loss, **options)
 

@@ -21,7 +21,7 @@ def _print_json(data) -> None:
 
 
 def cmd_info(args, console: Console) -> int:
-    from .info import as_json, render
+    from .device.info import as_json, render
 
     if args.models:
         table = Table("preset", "description", "parameters")
@@ -69,10 +69,10 @@ def cmd_train(args, console: Console) -> int:
         raise UserError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}: e.g. --nproc-per-node 2")
     cfg = train_config(args)
     if "RANK" not in os.environ and (args.nproc_per_node or args.nnodes > 1 or "SLURM_NNODES" in os.environ):
-        from .launcher import launch_training
+        from .distributed.launcher import launch_training
 
         return launch_training(args, cfg, console)
-    from .run import train
+    from .training.recipe import train
 
     result = train(cfg, resume=args.resume, console=console)
     if os.environ.get("RANK", "0") == "0":
@@ -82,8 +82,8 @@ def cmd_train(args, console: Console) -> int:
 
 
 def cmd_generate(args, console: Console) -> int:
-    from .generate import sample_text
-    from .trained import find_run, load_trained
+    from .models.generate import sample_text
+    from .training.trained import find_run, load_trained
 
     t = load_trained(find_run(args.run_dir), args.device or "auto")
     if not t.spec.is_language_model or t.spec.config.vocab_size < 256:
@@ -97,8 +97,8 @@ def cmd_generate(args, console: Console) -> int:
 
 def cmd_evaluate(args, console: Console) -> int:
     from .data import first_batches
-    from .run import eval_fn_for
-    from .trained import find_run, load_trained
+    from .training.recipe import eval_fn_for
+    from .training.trained import find_run, load_trained
 
     t = load_trained(find_run(args.run_dir), args.device or "auto")
     if t.data.val is None:
@@ -128,7 +128,7 @@ def cmd_export(args, console: Console) -> int:
     import dataclasses
 
     from .checkpoint import export_safetensors
-    from .trained import find_run, load_trained
+    from .training.trained import find_run, load_trained
 
     t = load_trained(find_run(args.run_dir), args.device or "cpu")
     out = Path(args.out) if args.out else t.run_dir / "model.safetensors"
@@ -195,8 +195,8 @@ def _bench_scaling(args, console: Console) -> int:
 
 
 def cmd_report(args, console: Console) -> int:
-    from .bench.runreport import report_run
-    from .trained import find_run
+    from .observe.report import report_run
+    from .training.trained import find_run
 
     written, notes = report_run(find_run(args.run_dir))
     for note in notes:

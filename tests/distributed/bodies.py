@@ -20,7 +20,7 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def train_tiny(sets: list[str], resume: str | None = None) -> dict:
     from gpudl.config import load_config
-    from gpudl.run import train
+    from gpudl.training.recipe import train
 
     cfg = load_config(None, [*TINY, *sets])
     result = train(cfg, resume=resume, console=Console(quiet=True))
@@ -34,7 +34,7 @@ def train_and_state(sets: list[str], resume: str | None = None) -> dict:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from gpudl.config import load_config
-    from gpudl.run import train
+    from gpudl.training.recipe import train
 
     result = train(load_config(None, [*TINY, *sets]), resume=resume, console=Console(quiet=True))
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -71,7 +71,7 @@ def train_gathered(sets: list[str], resume: str | None = None) -> dict:
     from torch.distributed.tensor import DTensor
 
     from gpudl.config import load_config
-    from gpudl.run import train
+    from gpudl.training.recipe import train
 
     result = train(load_config(None, [*TINY, *sets]), resume=resume, console=Console(quiet=True))
     mine = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
@@ -91,7 +91,7 @@ def train_tiny_tp(sets: list[str]) -> dict:
     from torch.distributed.tensor import DTensor
 
     from gpudl.config import load_config
-    from gpudl.run import train
+    from gpudl.training.recipe import train
 
     result = train(load_config(None, [*TINY, *sets]), console=Console(quiet=True))
     model = result.model

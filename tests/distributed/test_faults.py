@@ -48,7 +48,7 @@ def test_checkpoints_reshard_from_4_to_2_to_1_ranks(tmp_path):
                                                                        "train.max_steps=6"], resume=run)[0]
     from bodies import TINY
     from gpudl.config import load_config
-    from gpudl.run import train
+    from gpudl.training.recipe import train
     from rich.console import Console
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 

@@ -8,7 +8,7 @@ from rich.console import Console
 from bodies import TINY, poison_loss
 from gpudl import models
 from gpudl.config import load_config
-from gpudl.run import train
+from gpudl.training.recipe import train
 from helper import run_ranks
 
 

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from bodies import TINY
 from gpudl.config import load_config
-from gpudl.run import train
+from gpudl.training.recipe import train
 from helper import backends, run_ranks
 from test_strategies import assert_same_training
 

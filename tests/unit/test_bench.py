@@ -8,7 +8,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from gpudl.bench import Timing, dataload, plots, run_plan, write_report
+from gpudl.bench import Timing, dataload, run_plan, write_report
+from gpudl.observe import plots
 from gpudl.bench.roofline import ByteCounter, attainable_flops
 from gpudl.bench.suite import make_plan, speedups
 from gpudl.cli import main
@@ -161,9 +162,9 @@ def test_bad_input_stops_before_anything_runs(capsys, tmp_path, argv, words):
 
 
 def test_a_precision_the_device_cannot_run_names_what_it_can(capsys, tmp_path, monkeypatch):
-    import gpudl.device
+    import gpudl.device.discovery
 
-    monkeypatch.setattr(gpudl.device, "_mkldnn_supports", lambda dtype: False)  # a CPU without bf16/fp16
+    monkeypatch.setattr(gpudl.device.discovery, "_mkldnn_supports", lambda dtype: False)  # a CPU without bf16/fp16
     code = main(["bench", "--device", "cpu", "--precision", "bf16-mixed", "--out", str(tmp_path / "b")])
     err = capsys.readouterr().err
     assert code == 2 and "needs bf16 support" in err and "use one of fp32" in err
@@ -171,7 +172,7 @@ def test_a_precision_the_device_cannot_run_names_what_it_can(capsys, tmp_path, m
 
 
 def test_report_of_a_training_run(tiny, capsys):
-    from gpudl.run import train
+    from gpudl.training.recipe import train
 
     run_dir = train(tiny("log.plot=false"), console=Console(quiet=True)).run_dir
     assert main(["report", str(run_dir)]) == 0

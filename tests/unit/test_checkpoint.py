@@ -10,7 +10,7 @@ from rich.console import Console
 from gpudl.checkpoint.reader import SafeLoadPlanner
 from gpudl.checkpoint import complete_checkpoints
 from gpudl.errors import UserError
-from gpudl.run import train
+from gpudl.training.recipe import train
 
 QUIET = Console(quiet=True)
 RESUMABLE = ["train.max_steps=12", "checkpoint.every=6", "train.log_every=1", "train.eval_every=0",

@@ -3,7 +3,7 @@ import pytest
 from gpudl import models
 from gpudl.config import Config, config_from_dict, load_config, recipe_names
 from gpudl.errors import UserError
-from gpudl.settings import parse_literal
+from gpudl.config.settings import parse_literal
 
 
 def test_defaults_are_the_embedded_recipe():

@@ -17,12 +17,12 @@ import pytest
 import torch
 from rich.console import Console
 
-import gpudl.peak
-from gpudl import device_specs
+import gpudl.device.peak
+from gpudl.device import specs as device_specs
 from gpudl.device import DeviceInfo, available, cpu_info, detect
 from gpudl.errors import UserError
-from gpudl.info import as_json, peaks, render
-from gpudl.peak import measured_peak_flops, peak_key, refresh_peaks
+from gpudl.device.info import as_json, peaks, render
+from gpudl.device.peak import measured_peak_flops, peak_key, refresh_peaks
 
 GiB = 2**30
 
@@ -262,7 +262,7 @@ def test_measured_peak_is_cached(monkeypatch, tmp_path):
     def no_probe(*args, **kwargs):
         raise AssertionError("probed again instead of reading the cache")
 
-    monkeypatch.setattr(gpudl.peak, "probe_peak_flops", no_probe)
+    monkeypatch.setattr(gpudl.device.peak, "probe_peak_flops", no_probe)
     assert measured_peak_flops(info, "fp32") == first
     with pytest.raises(AssertionError, match="probed again"):
         measured_peak_flops(info, "fp32", use_cache=False)
@@ -272,7 +272,7 @@ def test_refreshed_peaks_keep_the_best_figure_seen(monkeypatch, tmp_path):
     monkeypatch.setenv("GPUDL_CACHE_DIR", str(tmp_path))
     info = cpu_info()
     probes = iter([2e11, 1e11, 3e11])  # quiet, then a busy moment, then quieter still
-    monkeypatch.setattr(gpudl.peak, "probe_peak_flops",
+    monkeypatch.setattr(gpudl.device.peak, "probe_peak_flops",
                         lambda device, precisions, n: dict.fromkeys(precisions, next(probes)))
     assert measured_peak_flops(info, "fp32") == 2e11
     refresh_peaks(info)
@@ -333,7 +333,7 @@ def test_info_tree_for_rocm_says_wavefronts():
 
 def test_info_tree_for_real_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("GPUDL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(gpudl.peak, "probe_peak_flops",
+    monkeypatch.setattr(gpudl.device.peak, "probe_peak_flops",
                         lambda device, precisions, n: dict.fromkeys(precisions, 1.234e12))
     info = cpu_info()
     text = _text(render([info], measure=True))
@@ -379,7 +379,7 @@ def test_import_detects_nothing():
         for name in ("is_available", "device_count", "get_device_properties"):
             spy(torch.cuda, name)
         spy(torch.backends.cpu, "get_cpu_capability")
-        import gpudl, gpudl.device, gpudl.info, gpudl.peak, gpudl.cli
+        import gpudl, gpudl.device, gpudl.device.info, gpudl.device.peak, gpudl.cli
         at_import = list(calls)
         gpudl.detect("auto")
         print(json.dumps({"at_import": at_import, "after_detect": calls}))

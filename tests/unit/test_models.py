@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gpudl import models
-from gpudl.metrics import count_training_flops, meta_batch
+from gpudl.observe.metrics import count_training_flops, meta_batch
 from gpudl.models.gpt import GPTConfig, formula_flops_per_token
 
 # Parameter counts published with torchvision's ImageNet models (1000 classes, ImageNet stem):
@@ -129,7 +129,7 @@ def test_flop_counting_leaves_batchnorm_statistics_alone():
 
 
 def test_gpt_generate_extends_the_sequence():
-    from gpudl.generate import sample_text
+    from gpudl.models.generate import sample_text
 
     m = models.build(models.resolve("gpt-tiny", {"n_layer": 1}), torch.device("cpu"))
     text = sample_text(m, "def ", 20, seed=3)

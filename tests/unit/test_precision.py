@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from gpudl import precision as prec
+from gpudl.training import precision as prec
 from gpudl.device import cpu_info
 from gpudl.errors import UserError
 

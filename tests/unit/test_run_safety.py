@@ -20,7 +20,7 @@ from gpudl.checkpoint.files import verify
 from gpudl.cli import main
 from gpudl.config import load_config
 from gpudl.errors import UserError
-from gpudl.run import train
+from gpudl.training.recipe import train
 
 QUIET = Console(quiet=True)
 SETS = [a for item in TINY for a in ("--set", item)]
@@ -139,9 +139,9 @@ def test_a_run_whose_last_steps_were_skipped_fails_and_records_no_zero_loss():
 
 
 def test_a_window_of_skipped_steps_logs_nan_not_zero(tiny):
-    from gpudl.monitor import Monitor
-    from gpudl.metrics import Throughput
-    from gpudl.train import TrainState
+    from gpudl.training.monitor import Monitor
+    from gpudl.observe.metrics import Throughput
+    from gpudl.training.loop import TrainState
 
     monitor = Monitor(throughput=Throughput(1, 1, 1, 1.0), device=torch.device("cpu"), log_every=2, max_steps=4)
     state = TrainState()

@@ -6,9 +6,9 @@ import torch.nn.functional as F
 
 from gpudl.config import OptimConfig, TrainConfig
 from gpudl.device import cpu_info
-from gpudl.optim import make_optimizer, make_scheduler
-from gpudl.precision import Precision, make_precision
-from gpudl.train import Job, NonFiniteError, TrainState, evaluate, train_loop
+from gpudl.training.optim import make_optimizer, make_scheduler
+from gpudl.training.precision import Precision, make_precision
+from gpudl.training.loop import Job, NonFiniteError, TrainState, evaluate, train_loop
 
 
 class Quiet:

@@ -26,12 +26,12 @@ from ..config import Config
 from ..data import DeviceLoader, build_data
 from ..device import DeviceInfo, synchronize
 from ..distributed.parallelize import parallelize
-from ..host import release_freed_memory
-from ..metrics import peak_memory_bytes, reset_peak_memory
-from ..optim import make_optimizer, make_scheduler
-from ..peak import measured_peak_flops, peak_key
-from ..precision import make_precision
-from ..train import Job, TrainState, train_loop
+from ..device.host import release_freed_memory
+from ..observe.metrics import peak_memory_bytes, reset_peak_memory
+from ..training.optim import make_optimizer, make_scheduler
+from ..device.peak import measured_peak_flops, peak_key
+from ..training.precision import make_precision
+from ..training.loop import Job, TrainState, train_loop
 
 # The measured figures of a cell; a failed cell has each of them as None.
 FIGURES = ("step_times_s", "samples_per_s", "units_per_s", "samples_per_s_mean", "step_s_p50", "step_s_p90",

@@ -12,19 +12,11 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from . import plots
+from ..observe import plots
+from ..observe.sinks import si
 
 COLUMNS = ("device", "precision", "compile", "samples/s", "step ms p50/p90", "CV", "MFU", "peak mem", "× CPU",
            "status")
-
-
-def _si(x: float | None, unit: str = "") -> str:
-    if x is None:
-        return "—"
-    for scale, suffix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= scale:
-            return f"{x / scale:.2f} {suffix}{unit}".rstrip()
-    return f"{x:.1f} {unit}".rstrip()
 
 
 def _pct(x: float | None) -> str:
@@ -45,7 +37,7 @@ def cell_row(c: dict) -> list[str]:
     status = "ok" if c["status"] == "ok" else f"failed: {c['reason']}"
     compiled = "off" if not c["compile"] else "on" if c["compile_s"] is None else f"on ({c['compile_s']:.0f} s)"
     steps = "—" if c["step_s_p50"] is None else f"{1e3 * c['step_s_p50']:.1f}/{1e3 * c['step_s_p90']:.1f}"
-    return [short_device(c["device"]), c["precision"], compiled, _si(c["samples_per_s"]), steps, _pct(c["cv"]),
+    return [short_device(c["device"]), c["precision"], compiled, si(c["samples_per_s"]), steps, _pct(c["cv"]),
             _pct(c["mfu"]), _bytes(c["peak_mem_bytes"]),
             "—" if c["speedup_vs_cpu"] is None else f"{c['speedup_vs_cpu']:.2f}×", status]
 
@@ -108,7 +100,7 @@ def markdown(doc: dict) -> str:
              f"(at least {doc['settings']['min_steps']}) · {doc['duration_s']:.0f} s in all", ""]
     for m in doc["models"]:
         lines += [f"## {m['name']}", "", f"{m['description']}; {m['params'] / 1e6:.2f}M parameters; batch "
-                  f"{m['batch_size']}; {_si(m['flops_per_sample'], 'FLOP')} per sample (forward + backward)", ""]
+                  f"{m['batch_size']}; {si(m['flops_per_sample'], 'FLOP')} per sample (forward + backward)", ""]
         lines += _md_table(list(COLUMNS), [cell_row(c) for c in _grid(doc, m["name"])])
     lines += ["## Data loading", "", "Real data through the loader `gpudl train` uses, against synthetic batches "
               "already on the device (same device and precision, eager).", ""]
@@ -120,8 +112,8 @@ def markdown(doc: dict) -> str:
 
 
 def _roofline_md(doc: dict) -> list[str]:
-    rows = [[d["label"], ", ".join(f"{k} {_si(v, 'FLOP/s')}" for k, v in d["peak_flops"].items()),
-             _si(d["bandwidth_bytes_per_s"], "B/s"),
+    rows = [[d["label"], ", ".join(f"{k} {si(v, 'FLOP/s')}" for k, v in d["peak_flops"].items()),
+             si(d["bandwidth_bytes_per_s"], "B/s"),
              ", ".join(f"{k} {v / d['bandwidth_bytes_per_s']:.0f}" for k, v in d["peak_flops"].items())]
             for d in doc["devices"]]
     out = ["## Roofline", "", *_md_table(["device", "measured peak", "memory bandwidth", "ridge (FLOP/byte)"], rows)]

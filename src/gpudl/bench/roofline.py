@@ -28,9 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..device import DeviceInfo, synchronize
-from ..metrics import meta_batch
+from ..observe.metrics import meta_batch
 from ..models import ModelSpec, build_meta, loss_for
-from ..peak import cached_measurement
+from ..device.peak import cached_measurement
 
 aten = torch.ops.aten
 # Operators that create or relabel tensors without reading or writing their elements.

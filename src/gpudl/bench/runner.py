@@ -20,8 +20,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .. import __version__, models
 from ..device import cpu_info
-from ..host import keep_freed_memory
-from ..peak import measured_peak_flops, peak_key, refresh_peaks
+from ..device.host import keep_freed_memory
+from ..device.peak import measured_peak_flops, peak_key, refresh_peaks
 from . import dataload
 from .cells import Cell, run_cell
 from .roofline import bytes_per_step, measured_bandwidth

@@ -95,7 +95,7 @@ def write_scaling(doc: dict, folder: Path) -> list[Path]:
     written = [folder / "scaling.json", folder / "scaling.md"]
     written[0].write_text(json.dumps(doc, indent=1))
     written[1].write_text(scaling_markdown(doc))
-    from . import plots
+    from ..observe import plots
 
     if plots.available():
         written.append(plots.plot_scaling(doc, folder / "scaling.png"))

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from ..paths import cache_dir
+from ..cache import cache_dir
 
 # Parts of the standard library that are data-like or test fixtures rather than typical code.
 # Bump when the way files become a token file changes, so cached corpora are rebuilt.

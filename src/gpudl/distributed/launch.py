@@ -100,7 +100,7 @@ def launch(args: LaunchArgs, worker_argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from ..peak import measure_cpu_peaks_for_workers
+    from ..device.peak import measure_cpu_peaks_for_workers
 
     if args.rdzv_endpoint and args.nnodes > 1:
         wait_for_endpoint(args.rdzv_endpoint)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import UserError, did_you_mean, unknown_name
-from ..settings import check_value, field_types
+from ..config.settings import check_value, field_types
 from .gpt import GPT, GPTConfig
 from .resnet import ResNet, ResNetConfig
 

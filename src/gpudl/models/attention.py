@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.torch_version import TorchVersion
 
 from ..device import cpu_info
-from ..peak import cached_measurements
+from ..device.peak import cached_measurements
 
 T = TypeVar("T")
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError
-from ..settings import option
+from ..config.settings import option
 from .attention import causal_attention
 
 

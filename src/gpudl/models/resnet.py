@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..settings import option
+from ..config.settings import option
 
 # depth -> (block type, blocks per stage)
 LAYOUTS = {18: ("basic", (2, 2, 2, 2)), 34: ("basic", (3, 4, 6, 3)), 50: ("bottleneck", (3, 4, 6, 3)),

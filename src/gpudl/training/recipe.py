@@ -16,21 +16,21 @@ import torch.nn.functional as F
 from rich.console import Console
 from torch import nn
 
-from . import models
-from .checkpoint import Checkpointer, model_fingerprint
-from .checkpoint.files import check_like
-from .config import Config
-from .data import Data, DeviceLoader, build_data, first_batches
-from .distributed.parallelize import compile_wanted, parallelize
-from .distributed.parts import Parallelized
-from .execute import Execution, execute
-from .errors import UserError
-from .metrics import count_training_flops, meta_batch
+from .. import models
+from ..checkpoint import Checkpointer, model_fingerprint
+from ..checkpoint.files import check_like
+from ..config import Config
+from ..data import Data, DeviceLoader, build_data, first_batches
+from ..distributed.parallelize import compile_wanted, parallelize
+from ..distributed.parts import Parallelized
+from .runner import Execution, execute
+from ..errors import UserError
+from ..observe.metrics import count_training_flops, meta_batch
 from .optim import make_optimizer, make_scheduler
 from .precision import Precision, make_precision
-from .rundir import after_training, resolve_run_dir
+from .run_dir import after_training, resolve_run_dir
 from .session import Session, plan_parallel, start_session
-from .train import Job, TrainState, standard_micro_step
+from .loop import Job, TrainState, standard_micro_step
 
 
 @dataclass
@@ -136,11 +136,11 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
     precision = make_precision(cfg.train.precision, session.device)
     meta = models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides))
     if cfg.parallel.tp > 1:  # before any process counting: no number of processes fixes the model
-        from .distributed.tensor import check_tp
+        from ..distributed.tensor import check_tp
 
         check_tp(meta, cfg.parallel.tp, cfg.parallel.tp_sequence_parallel)
     if cfg.parallel.pp > 1:  # likewise for what no pipeline can run
-        from .distributed.pipeline import check_pipeline
+        from ..distributed.pipeline import check_pipeline
 
         check_pipeline(meta, cfg.parallel, cfg.train.batch_size, precision.name)
     plan_parallel(session, cfg.parallel, sum(p.numel() for p in meta.parameters()))

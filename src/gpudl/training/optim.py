@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from .config import OptimConfig
+from ..config import OptimConfig
 
 # Device types with a fused AdamW kernel in torch (one kernel for all parameters).
 FUSED_DEVICE_TYPES = {"cuda", "xpu", "mps", "cpu"}

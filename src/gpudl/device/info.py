@@ -7,7 +7,7 @@ import dataclasses
 from rich.console import Group
 from rich.tree import Tree
 
-from .device import DeviceInfo
+from .discovery import DeviceInfo
 from .peak import measured_peak_flops
 
 

@@ -7,13 +7,13 @@ from pathlib import Path
 
 from torch import nn
 
-from . import models
-from .checkpoint import Checkpointer, model_fingerprint
-from .config import Config, load_config
-from .data import Data
-from .device import DeviceInfo, detect
-from .errors import UserError
-from .run import model_and_data
+from .. import models
+from ..checkpoint import Checkpointer, model_fingerprint
+from ..config import Config, load_config
+from ..data import Data
+from ..device import DeviceInfo, detect
+from ..errors import UserError
+from .recipe import model_and_data
 
 
 @dataclass

@@ -14,18 +14,18 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from .checkpoint import Checkpointer
-from .config import LogConfig, TrainConfig
-from .data import DeviceLoader
-from .distributed.watch import Progress, is_timeout
+from ..checkpoint import Checkpointer
+from ..config import LogConfig, TrainConfig
+from ..data import DeviceLoader
+from ..distributed.watch import Progress, is_timeout
 from .interrupt import StopRequest
-from .metrics import Throughput, peak_memory_bytes, reset_peak_memory
+from ..observe.metrics import Throughput, peak_memory_bytes, reset_peak_memory
 from .monitor import Monitor
-from .peak import measured_peak_flops, peak_key
-from .plot import plot_loss
+from ..device.peak import measured_peak_flops, peak_key
+from ..observe.plots import plot_loss
 from .session import Session
-from .sinks import ConsoleProgress, FileSink, TensorBoardSink, summary_table, tensorboard_available
-from .train import Job, NonFiniteError, TrainState, train_loop
+from ..observe.sinks import ConsoleProgress, FileSink, TensorBoardSink, summary_table, tensorboard_available
+from .loop import Job, NonFiniteError, TrainState, train_loop
 
 
 @dataclass
@@ -117,7 +117,7 @@ def execute(ex: Execution, console: Console) -> Outcome:
     if ex.run_dir is not None and ex.session.is_writer:
         (ex.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if ex.log.plot:
-            from .sinks import read_records
+            from ..observe.sinks import read_records
 
             plot = plot_loss(read_records(ex.run_dir), ex.run_dir / "loss", f"{summary['model']} loss")
             summary["plot"] = str(plot)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from .data.loader import Batch, map_tensors, tensors_in
+from ..data.loader import Batch, map_tensors, tensors_in
 
 
 def count_training_flops(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor]) -> int:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from ..errors import UserError
-from ..sinks import read_records
+from .sinks import read_records
 from . import plots
 
 

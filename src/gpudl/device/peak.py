@@ -20,8 +20,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from .device import DeviceInfo, synchronize
-from .paths import cache_dir
+from .discovery import DeviceInfo, synchronize
+from ..cache import cache_dir
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -170,7 +170,7 @@ def measure_cpu_peaks_for_workers(threads: int) -> None:
     probes would run side by side on shared cores and cache figures that are too low, for every
     later run's MFU and `precision = "auto"`.
     """
-    from .device import cpu_info
+    from .discovery import cpu_info
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -1,5 +1,9 @@
-"""PNG plots with matplotlib (the optional `gpudl[plot]` extra): a benchmark's throughput by device
-and precision and its roofline; a training run's loss, throughput and memory over its steps.
+"""Every plot gpudl draws, with matplotlib (the optional `gpudl[plot]` extra): a training run's
+loss, throughput and memory over its steps; a benchmark's throughput by device and precision,
+its roofline and its scaling.
+
+The one plot that does not need matplotlib is a run's loss curve: `gpudl train` after a bare
+`pip install .` (torch, numpy and rich only) still leaves a picture of its loss, as a plain SVG.
 """
 
 from __future__ import annotations
@@ -133,15 +137,62 @@ def _line(path: Path, series: list[tuple], ylabel: str, title: str, twin: tuple 
     return _save(fig, path)
 
 
+def _loss_series(records: list[dict]) -> list[tuple]:
+    val = _series(records, "eval", "loss")
+    return [(*_series(records, "train", "loss"), "train", "-")] + ([(*val, "validation", "o-")] if val[0] else [])
+
+
+def plot_loss(records: list[dict], out_base: Path, title: str) -> Path | None:
+    """out_base.png (out_base.svg without matplotlib): a run's training and validation loss; None if no records."""
+    series = _loss_series(records)
+    if not series[0][0]:
+        return None
+    if not available():
+        return _svg([s[:2] for s in series], out_base.with_suffix(".svg"), title)
+    return _line(out_base.with_suffix(".png"), series, "loss", title)
+
+
 def run_plots(records: list[dict], out_dir: Path, unit: str) -> list[Path]:
     """loss.png, throughput.png and memory.png from a training run's metric records."""
-    val = _series(records, "eval", "loss")
-    loss = [(*_series(records, "train", "loss"), "train", "-")] + ([(*val, "validation", "o-")] if val[0] else [])
     mfu = _series(records, "train", "mfu")
     return [
-        _line(out_dir / "loss.png", loss, "loss", "loss"),
+        _line(out_dir / "loss.png", _loss_series(records), "loss", "loss"),
         _line(out_dir / "throughput.png", [(*_series(records, "train", "units_per_s"), unit, "-")], f"{unit}/s",
               "throughput (dotted: MFU)", twin=(mfu[0], [100 * v for v in mfu[1]], "MFU %")),
         _line(out_dir / "memory.png", [(*_series(records, "train", "peak_mem_gb"), "peak", "-")], "GiB",
               "peak memory"),
     ]
+
+
+def _svg(series: list[tuple], path: Path, title: str) -> Path:
+    """The loss curve as a plain SVG: (steps, losses) of training, then of validation if any."""
+    train, val = series[0], series[1] if len(series) > 1 else ([], [])
+    w, h, pad = 640, 360, 50
+    xs, ys = train[0] + val[0], train[1] + val[1]
+    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
+    sx = (w - 2 * pad) / max(x1 - x0, 1)
+    sy = (h - 2 * pad) / max(y1 - y0, 1e-9)
+
+    def line(series, colour):
+        pts = " ".join(f"{pad + (x - x0) * sx:.1f},{h - pad - (y - y0) * sy:.1f}" for x, y in zip(*series))
+        return f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{pts}"/>'
+
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+        f'<rect width="{w}" height="{h}" fill="white"/>',
+        f'<text x="{w / 2}" y="20" text-anchor="middle">{title}</text>',
+        f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>',
+        f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>',
+        f'<text x="{pad}" y="{h - pad + 16}">{x0}</text>',
+        f'<text x="{w - pad}" y="{h - pad + 16}" text-anchor="end">step {x1}</text>',
+        f'<text x="{pad - 4}" y="{h - pad}" text-anchor="end">{y0:.2f}</text>',
+        f'<text x="{pad - 4}" y="{pad + 4}" text-anchor="end">{y1:.2f}</text>',
+        line(train, "#1f77b4"),
+    ]
+    if val[0]:
+        parts.append(line(val, "#ff7f0e"))
+    parts.append(f'<text x="{w - pad}" y="{pad}" text-anchor="end" fill="#1f77b4">train</text>')
+    if val[0]:
+        parts.append(f'<text x="{w - pad}" y="{pad + 16}" text-anchor="end" fill="#ff7f0e">validation</text>')
+    path.write_text("\n".join(parts + ["</svg>"]) + "\n")
+    return path

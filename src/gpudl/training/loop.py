@@ -17,9 +17,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .config import TrainConfig
-from .errors import UserError
-from .distributed.parts import clip_grad_norm
+from ..config import TrainConfig
+from ..errors import UserError
+from ..distributed.parts import clip_grad_norm
 from .precision import Precision
 
 Batch = tuple[torch.Tensor, ...]

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import device_specs
-from .errors import UserError
+from . import specs as device_specs
+from ..errors import UserError
 
 # The process-group backend that torch.distributed ships for each device type.
 DIST_BACKENDS = {"cuda": "nccl", "xpu": "xccl", "hpu": "hccl", "npu": "hccl", "cpu": "gloo", "mps": "gloo"}

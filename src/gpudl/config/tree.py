@@ -1,24 +1,14 @@
-"""The typed config tree of a training run, and the strict TOML loader.
+"""The typed config tree of a training run: one dataclass per section, each field with its doc and limits.
 
-A run's config is a TOML file (a recipe in `configs/`, or the embedded default) plus
-`--set section.key=value` overrides. Each component receives only its own section.
-
->>> cfg = load_config(None, ["train.max_steps=10", "model.n_layer=2"])
->>> cfg.train.max_steps, cfg.model.name, cfg.model.overrides["n_layer"]
-(10, 'gpt-tiny', 2)
+Each component receives only its own section (`cfg.train`, `cfg.parallel`, ...).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import tomllib
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path, PurePath
 from typing import Any, Literal
 
-from .errors import UserError, unknown_name
-from .settings import CommandLineValue, dump_toml, from_dict, option, set_dotted, to_dict
+from .settings import dump_toml, option, to_dict
 
 PrecisionName = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-true"]
 
@@ -135,72 +125,3 @@ class Config:
         model = data["model"]
         model.update(model.pop("overrides", {}))
         return dump_toml(data)
-
-
-def recipe_names() -> list[str]:
-    """Names of the recipes that ship with gpudl (`gpudl train --config NAME`)."""
-    return sorted(p.name[:-5] for p in (resources.files("gpudl") / "configs").iterdir() if p.name.endswith(".toml"))
-
-
-def _recipe_path(source: str | Path) -> Path:
-    path = Path(source)
-    if path.is_file():
-        return path
-    if str(source) in recipe_names():
-        return Path(str(resources.files("gpudl") / "configs" / f"{source}.toml"))
-    if path.suffix or "/" in str(source):
-        raise UserError(f"config file {str(source)!r} not found: pass an existing .toml file "
-                        f"or a recipe name ({', '.join(recipe_names())})")
-    raise unknown_name("recipe", str(source), recipe_names())
-
-
-def _read_toml(source: str | Path | None) -> dict:
-    if source is None:
-        return {}
-    path = _recipe_path(source)
-    try:
-        return tomllib.loads(path.read_text(encoding="utf8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"config file {str(path)!r} is not valid TOML ({e}): fix the file") from None
-
-
-def config_from_dict(data: dict) -> Config:
-    """Build a Config from a dict shaped like the TOML file; `[model]` keeps extra keys as overrides."""
-    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
-    model = data.pop("model", {})
-    if not isinstance(model, dict):
-        raise UserError(f"[model] must be a table of settings, got {model!r}")
-    cfg = from_dict(Config, data, "")
-    name = model.pop("name", ModelConfig().name)
-    name = str(name) if isinstance(name, CommandLineValue) else name
-    if not isinstance(name, str):
-        raise UserError(f"model.name must be a string, got {name!r}")
-    model.pop("overrides", None)
-    # The model family types its own fields (models.resolve); keep plain TOML values here.
-    overrides = {k: v.parsed if isinstance(v, CommandLineValue) else v for k, v in model.items()}
-    cfg.model = ModelConfig(name=name, overrides=overrides)
-    _check_run_name(cfg.run.name)
-    return cfg
-
-
-def _check_run_name(name: str | None) -> None:
-    """A run's folder is `run.dir/run.name`: the name must not lead out of `run.dir`."""
-    if name is not None and (PurePath(name).name != name or name in ("", ".", "..") or "\\" in name):
-        raise UserError(f"run.name must be a folder name inside run.dir, got {name!r}: choose a name without "
-                        f"'/', '\\' or '..' (set run.dir to write elsewhere)")
-
-
-def load_config(source: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load a recipe (path or shipped name; None: the embedded default) and apply `key=value` overrides."""
-    data = _read_toml(source)
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip() or "." not in key:
-            raise UserError(f"--set expects section.key=value, got {item!r}: e.g. --set train.max_steps=100")
-        set_dotted(data, key.strip(), CommandLineValue(raw.strip()))
-    return config_from_dict(data)
-
-
-def replace(cfg: Config, section: str, **changes: Any) -> Config:
-    """A copy of `cfg` with some fields of one section changed (used by the Python API)."""
-    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})

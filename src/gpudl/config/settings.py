@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from .errors import UserError, did_you_mean
+from ..errors import UserError, did_you_mean
 
 
 def option(default: Any, doc: str, **limits: Any) -> Any:

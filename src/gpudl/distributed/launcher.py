@@ -15,13 +15,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from . import models
-from .checkpoint.files import complete_checkpoints, step_of
-from .config import Config
-from .device import available, detect
-from .distributed.launch import LaunchArgs, from_slurm, launch
-from .distributed.mesh import ParallelDims
-from .errors import UserError
+from .. import models
+from ..checkpoint.files import complete_checkpoints, step_of
+from ..config import Config
+from ..device import available, detect
+from .launch import LaunchArgs, from_slurm, launch
+from .mesh import ParallelDims
+from ..errors import UserError
 
 
 def _check(cfg: Config, la: LaunchArgs) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .models.gpt import GPT, generate
+from .gpt import GPT, generate
 
 
 def sample_text(model: GPT, prompt: str, tokens: int, temperature: float = 0.8, top_k: int = 40,

@@ -115,7 +115,7 @@ class ConsoleProgress:
         self._progress.stop()
 
     def update(self, record: dict) -> None:
-        stats = (f"loss {record['loss']:.4f} · {_si(record['units_per_s'])} {self.unit}/s · "
+        stats = (f"loss {record['loss']:.4f} · {si(record['units_per_s'])} {self.unit}/s · "
                  f"MFU {100 * record['mfu']:.1f}%")
         self._progress.update(self._task, completed=record["step"], stats=stats)
         if not self.enabled and not self.quiet:  # no live bar (a log file, a CI job): one line per log record instead
@@ -125,11 +125,14 @@ class ConsoleProgress:
         self._progress.console.print(text)
 
 
-def _si(x: float) -> str:
-    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+def si(x: float | None, unit: str = "") -> str:
+    """`x` with an SI prefix: si(25_000) == "25.00k", si(3.1e12, "FLOP/s") == "3.10 TFLOP/s"; None is "—"."""
+    if x is None:
+        return "—"
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= scale:
-            return f"{x / scale:.2f}{suffix}"
-    return f"{x:.1f}"
+            return f"{x / scale:.2f} {prefix}{unit}" if unit else f"{x / scale:.2f}{prefix}"
+    return f"{x:.1f} {unit}" if unit else f"{x:.1f}"
 
 
 def summary_table(summary: dict) -> Table:

@@ -14,10 +14,10 @@ import torch.distributed as dist
 from rich.console import Console
 from torch import nn
 
-from . import models
-from .checkpoint import Checkpointer, complete_checkpoints, export_safetensors
-from .config import Config
-from .errors import UserError
+from .. import models
+from ..checkpoint import Checkpointer, complete_checkpoints, export_safetensors
+from ..config import Config
+from ..errors import UserError
 from .session import Session
 
 # A run samples from the whole model on rank 0's device only if it takes at most this share of it.
@@ -114,7 +114,7 @@ def _export(model: nn.Module, spec: models.ModelSpec, run_dir: Path, console: Co
 
 
 def _sample(model: nn.Module, spec, cfg: Config, session: Session, run_dir: Path, console: Console) -> None:
-    from .generate import sample_text
+    from ..models.generate import sample_text
 
     device = session.device
     size = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .device import DeviceInfo
-from .errors import UserError
-from .peak import measured_peak_flops
+from ..device import DeviceInfo
+from ..errors import UserError
+from ..device.peak import measured_peak_flops
 
 POLICIES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 

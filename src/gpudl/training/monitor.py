@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .interrupt import StopRequest
-from .metrics import Throughput, peak_memory_bytes
-from .train import TrainState
+from ..observe.metrics import Throughput, peak_memory_bytes
+from .loop import TrainState
 
 
 @dataclass

@@ -22,20 +22,20 @@ from rich.console import Console
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .config import LogConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
-from .data import DeviceLoader
-from .data.datasets import DatasetBatches, as_batch_source
-from .data.loader import Batch, map_tensors, tensors_in
-from .distributed.parallelize import compile_wanted, parallelize
-from .errors import UserError
-from .execute import Execution, execute
-from .metrics import count_training_flops
+from ..config import LogConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
+from ..data import DeviceLoader
+from ..data.datasets import DatasetBatches, as_batch_source
+from ..data.loader import Batch, map_tensors, tensors_in
+from ..distributed.parallelize import compile_wanted, parallelize
+from ..errors import UserError
+from .runner import Execution, execute
+from ..observe.metrics import count_training_flops
 from .optim import make_optimizer, make_scheduler
 from .precision import make_precision
-from .rundir import prepare_run_dir
+from .run_dir import prepare_run_dir
 from .session import Session, plan_parallel, start_session
-from .settings import from_dict
-from .train import Job, TrainState
+from ..config.settings import from_dict
+from .loop import Job, TrainState
 
 
 @dataclass

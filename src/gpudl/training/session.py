@@ -12,12 +12,12 @@ import torch.distributed as dist
 from rich.console import Console
 from torch.distributed.device_mesh import DeviceMesh
 
-from .config import ParallelConfig, RunConfig
-from .device import DeviceInfo, detect
-from .distributed.env import DistEnv, check_devices, die_with_agent, init_process_group, read_env
-from .distributed.mesh import ParallelDims
-from .distributed.watch import Progress
-from .host import keep_freed_memory
+from ..config import ParallelConfig, RunConfig
+from ..device import DeviceInfo, detect
+from ..distributed.env import DistEnv, check_devices, die_with_agent, init_process_group, read_env
+from ..distributed.mesh import ParallelDims
+from ..distributed.watch import Progress
+from ..device.host import keep_freed_memory
 
 # Training state per parameter with AdamW and fp32 master weights: weights, gradients, two moments.
 TRAINING_BYTES_PER_PARAM = 16
