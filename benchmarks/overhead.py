@@ -23,16 +23,17 @@ from pathlib import Path
 import torch
 
 from gpudl import models
-from gpudl.config import DataConfig, OptimConfig, TrainConfig
+from gpudl.config import Config, DataConfig, TrainConfig
 from gpudl.data import build_data
 from gpudl.device import detect, synchronize
 from gpudl.device.host import keep_freed_memory
 from gpudl.observe.metrics import Throughput
-from gpudl.training.monitor import Monitor
-from gpudl.training.optim import make_optimizer, make_scheduler
-from gpudl.training.precision import make_precision
 from gpudl.observe.sinks import FileSink
-from gpudl.training.loop import Job, TrainState, train_loop
+from gpudl.training.job import Task, build_job
+from gpudl.training.loop import TrainState, train_loop
+from gpudl.training.monitor import Monitor
+from gpudl.training.precision import make_precision
+from gpudl.training.session import Session
 
 
 def parse() -> argparse.Namespace:
@@ -77,16 +78,16 @@ def main() -> None:
     data = build_data(DataConfig(kind="synthetic"), spec, args.batch_size, seed=0)
     batches = [tuple(t.to(dev) for t in data.train.batch(k)) for k in range(args.steps)]
     loss_fn = models.loss_for(spec)
-    model = models.build(spec, dev, prec.param_dtype, seed=0)
     total = 2 * (args.rounds + 1) * args.steps
-    optim_cfg, train_cfg = OptimConfig(), TrainConfig(max_steps=total, batch_size=args.batch_size)
-    opt = make_optimizer(model, optim_cfg, dev.type)
-    sched = make_scheduler(opt, optim_cfg, total)
-    job = Job(model=model, loss_fn=loss_fn, optimizer=opt, scheduler=sched, precision=prec, batches=iter(()))
+    train_cfg = TrainConfig(max_steps=total, batch_size=args.batch_size)
+    session = Session(info)
+    # gpudl's own assembly (attention kernel, optimizer, schedule); the raw loop steps the same objects
+    job = build_job(models.build(spec, dev, prec.param_dtype, seed=0), Config(train=train_cfg), session, prec,
+                    Task(loss_fn))
+    model, opt, sched = job.model, job.optimizer, job.scheduler
     run_dir = Path(tempfile.mkdtemp(prefix="gpudl-overhead-"))
-    monitor = Monitor(throughput=Throughput(args.batch_size, data.units_per_sample, 1.0, 1.0), device=dev,
-                      log_every=train_cfg.log_every, max_steps=total, sinks=[FileSink(run_dir)],
-                      progress=None)
+    monitor = Monitor(session=session, train=train_cfg, sinks=[FileSink(run_dir)],
+                      throughput=Throughput(args.batch_size, data.units_per_sample, 1.0, 1.0))
     state = TrainState()
     print(f"Using device: {info.label} · precision {prec.name} · {args.model} · batch {args.batch_size} · "
           f"{args.rounds} rounds x {args.steps} steps")

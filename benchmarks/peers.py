@@ -43,18 +43,22 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from gpudl import models
-from gpudl.config import OptimConfig, TrainConfig
+from gpudl.config import Config, OptimConfig, TrainConfig
 from gpudl.data import DeviceLoader
 from gpudl.data.datasets import as_batch_source
 from gpudl.device import detect, synchronize
-from gpudl.distributed.parallelize import compile_wanted, parallelize
 from gpudl.device.host import keep_freed_memory
+from gpudl.device.kernels import attention_kernel
+from gpudl.distributed.parallelize import compile_wanted
+from gpudl.models.attention import use_attention
 from gpudl.observe.metrics import Throughput
+from gpudl.observe.sinks import FileSink
+from gpudl.training.job import Task, build_job
+from gpudl.training.loop import Job, TrainState, train_loop
 from gpudl.training.monitor import Monitor
 from gpudl.training.optim import make_optimizer, make_scheduler
 from gpudl.training.precision import make_precision
-from gpudl.observe.sinks import FileSink
-from gpudl.training.loop import Job, TrainState, train_loop
+from gpudl.training.session import Session
 
 LR = 3e-3
 FABRIC_PRECISION = {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "fp16-mixed": "16-mixed", "bf16-true": "bf16-true"}
@@ -82,9 +86,10 @@ def installed(name: str) -> bool:
 def gpudl_steps(job: Job, batches: Callable[[], object], steps: int, batch_size: int) -> Callable[[], None]:
     """gpudl's loop as a run drives it: train_loop with the metrics monitor writing JSONL/CSV."""
     total = 10**9
-    monitor = Monitor(throughput=Throughput(batch_size, 1, 1.0, 1.0), device=next(job.model.parameters()).device,
-                      log_every=TrainConfig().log_every, max_steps=total,
-                      sinks=[FileSink(Path(tempfile.mkdtemp(prefix="gpudl-peers-")))], progress=None)
+    info = detect(str(next(job.model.parameters()).device))
+    monitor = Monitor(session=Session(info), train=TrainConfig(max_steps=total, eval_every=0),
+                      throughput=Throughput(batch_size, 1, 1.0, 1.0),
+                      sinks=[FileSink(Path(tempfile.mkdtemp(prefix="gpudl-peers-")))])
     state, cfg = TrainState(), TrainConfig(max_steps=total, eval_every=0)
 
     def run():
@@ -235,14 +240,12 @@ def _gpudl_defaults(spec, data, device: torch.device, steps: int, batch: int):
         keep_freed_memory()  # what a gpudl run does on the CPU (run.keep_host_memory)
     prec = make_precision("auto", info)
     model = models.build(spec, device, prec.param_dtype, seed=0)
-    placed = parallelize(model, activation_checkpointing=False, compile=compile_wanted("auto", device.type))
-    optim_cfg = OptimConfig(lr=LR, warmup_steps=0)
-    opt = make_optimizer(placed.model, optim_cfg, device.type)
-    job = Job(model=placed.model, loss_fn=models.loss_for(spec), optimizer=opt, precision=prec,
-              scheduler=make_scheduler(opt, optim_cfg, 10**9), batches=iter(()))
+    cfg = Config(optim=OptimConfig(lr=LR, warmup_steps=0), train=TrainConfig(max_steps=10**9))
+    job = build_job(model, cfg, Session(info), prec, Task(models.loss_for(spec)))
     loader = DeviceLoader(as_batch_source(data, batch, seed=0), device)
     setup = (f"precision {prec.name} ({prec.reason}); compile "
-             f"{'on' if compile_wanted('auto', device.type) else 'off'}; AdamW fused={opt.defaults.get('fused')}")
+             f"{'on' if compile_wanted('auto', device.type) else 'off'}; "
+             f"AdamW fused={job.optimizer.defaults.get('fused')}")
     return gpudl_steps(job, lambda: loader, steps, batch), setup
 
 
@@ -370,6 +373,7 @@ def compare_identical(args: argparse.Namespace, info) -> tuple[dict[str, list[fl
     data = synthetic_data(spec, args.batch_size * args.steps)
     prec = make_precision("auto", info)
     model = models.build(spec, dev, prec.param_dtype, seed=0)
+    use_attention(model, attention_kernel(info))  # the model as gpudl runs it, for every tool alike
     opt = make_optimizer(model, OptimConfig(lr=LR), dev.type)
     sched = make_scheduler(opt, OptimConfig(lr=LR), 10**9)
     batches = [tuple(t[i * args.batch_size:(i + 1) * args.batch_size].to(dev) for t in data)

@@ -13,16 +13,15 @@ from rich.console import Console
 
 from overhead import raw_steps, timed
 from gpudl import models
-from gpudl.config import DataConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
+from gpudl.config import Config, DataConfig, ParallelConfig, RunConfig, TrainConfig
 from gpudl.data import build_data
-from gpudl.distributed.parallelize import parallelize
 from gpudl.observe.metrics import Throughput
+from gpudl.observe.sinks import FileSink
+from gpudl.training.job import Task, build_job
+from gpudl.training.loop import TrainState, train_loop
 from gpudl.training.monitor import Monitor
-from gpudl.training.optim import make_optimizer, make_scheduler
 from gpudl.training.precision import make_precision
 from gpudl.training.session import plan_parallel, start_session
-from gpudl.observe.sinks import FileSink
-from gpudl.training.loop import Job, TrainState, train_loop
 
 STEPS, BATCH = 5, 16
 
@@ -36,18 +35,16 @@ def ddp_worker(rounds: int) -> None:
     rank, world = session.dp
     data = build_data(DataConfig(kind="synthetic"), spec, BATCH, seed=rank)
     batches = [tuple(t.to(dev) for t in data.train.batch(k)) for k in range(STEPS)]
-    placed = parallelize(models.build(spec, dev, prec.param_dtype, seed=0), activation_checkpointing=False,
-                         compile=False, dims=session.dims, mesh=session.mesh, precision_name=prec.name, device=dev)
-    ddp, loss_fn = placed.model, models.loss_for(spec)
     total = 2 * (rounds + 1) * STEPS
-    cfg = TrainConfig(max_steps=total, batch_size=BATCH)
-    opt = make_optimizer(ddp, OptimConfig(), dev.type)
-    sched = make_scheduler(opt, OptimConfig(), total)
-    job = Job(model=ddp, loss_fn=loss_fn, optimizer=opt, scheduler=sched, precision=prec, batches=iter(()),
-              grad_sync=placed.grad_sync, clip_norm=placed.clip_norm)
+    cfg = TrainConfig(max_steps=total, batch_size=BATCH, compile=False)
+    loss_fn = models.loss_for(spec)
+    # gpudl's own assembly (DDP, attention kernel, optimizer, schedule); the raw loop steps the same objects
+    job = build_job(models.build(spec, dev, prec.param_dtype, seed=0), Config(train=cfg), session, prec,
+                    Task(loss_fn))
+    ddp, opt, sched = job.model, job.optimizer, job.scheduler
     sinks = [FileSink(Path(tempfile.mkdtemp()))] if session.is_writer else []
-    monitor = Monitor(throughput=Throughput(BATCH * world, data.units_per_sample, 1.0, 1.0, world=world), device=dev,
-                      log_every=cfg.log_every, max_steps=total, sinks=sinks, reduce=session.reduce_mean)
+    monitor = Monitor(session=session, train=cfg, sinks=sinks,
+                      throughput=Throughput(BATCH * world, data.units_per_sample, 1.0, 1.0, world=world))
     state = TrainState()
 
     def ours():

@@ -16,7 +16,8 @@ os.environ.setdefault("GPUDL_CACHE_DIR", tempfile.mkdtemp(prefix="gpudl-test-cac
 # Settings that make the default recipe a few-second run.
 TINY = ["train.max_steps=6", "train.batch_size=4", "train.log_every=2", "train.eval_every=3",
         "train.eval_batches=2", "model.n_layer=2", "model.d_model=32", "model.n_head=2",
-        "model.block_size=32", "sample.tokens=16", "log.progress=false", "train.precision=fp32"]
+        "model.block_size=32", "sample.tokens=16", "log.progress=false", "train.precision=fp32",
+        "train.time_budget_s=0"]  # runs that tests compare must not depend on this machine's speed
 
 
 @pytest.fixture

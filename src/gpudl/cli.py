@@ -6,7 +6,6 @@ Bad input ends with one line on stderr and exit status 2; `--debug` shows the tr
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from rich.console import Console
@@ -123,10 +122,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gpudl: interrupted", file=sys.stderr)
         return 130
-
-
-def print_json(data: dict) -> None:
-    print(json.dumps(data, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -11,9 +11,13 @@ from rich.console import Console
 from rich.table import Table
 
 from . import models
+from .checkpoint import complete_checkpoints
 from .config import load_config, recipe_names
 from .device import available, cpu_info, detect
 from .errors import UserError
+
+# What `gpudl train` trains when no --config is given: the first run, sized by time on any CPU.
+DEFAULT_RECIPE = "gpt-tiny"
 
 
 def _print_json(data) -> None:
@@ -46,6 +50,8 @@ def cmd_info(args, console: Console) -> int:
 
 
 def train_config(args):
+    """The config `gpudl train` means: a resumed run's own config.toml, else the recipe (the default one
+    without --config); --set, --device and --precision on top."""
     sets = list(args.sets)
     if args.device:
         sets.append(f"run.device={args.device}")
@@ -59,7 +65,12 @@ def train_config(args):
         if not (path / "config.toml").is_file():
             raise UserError(f"--resume {args.resume!r}: not a run folder (no config.toml in it)")
         return load_config(path / "config.toml", sets)
-    return load_config(args.config, sets)
+    cfg = load_config(args.config or DEFAULT_RECIPE, sets)
+    if args.resume == "auto" and cfg.run.name:  # a restarted worker: the run as its first attempt resolved it
+        run = Path(cfg.run.dir) / cfg.run.name
+        if complete_checkpoints(run / "checkpoints") and (run / "config.toml").is_file():
+            return load_config(run / "config.toml", sets)
+    return cfg
 
 
 def cmd_train(args, console: Console) -> int:
@@ -69,7 +80,7 @@ def cmd_train(args, console: Console) -> int:
         raise UserError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}: e.g. --nproc-per-node 2")
     cfg = train_config(args)
     if "RANK" not in os.environ and (args.nproc_per_node or args.nnodes > 1 or "SLURM_NNODES" in os.environ):
-        from .distributed.launcher import launch_training
+        from .distributed.launch import launch_training
 
         return launch_training(args, cfg, console)
     from .training.recipe import train

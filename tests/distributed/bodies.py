@@ -10,7 +10,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 # A GPT small enough for many processes on two cores, trained in fp32 so sums can be compared.
 TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.block_size=32", "train.batch_size=4",
         "train.max_steps=10", "train.log_every=1", "train.eval_every=5", "train.eval_batches=2",
-        "train.precision=fp32", "sample.tokens=0", "log.progress=false", "log.plot=false", "optim.warmup_steps=2"]
+        "train.precision=fp32", "sample.tokens=0", "log.progress=false", "log.plot=false", "optim.warmup_steps=2",
+        "train.time_budget_s=0"]
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Causal attention on the measured CPU kernel: right numbers, the faster kernel, measured once."""
+"""Causal attention on the measured CPU kernel: right numbers, the faster kernel, measured once, and
+the model calling whichever kernel training hands it."""
 
 import json
 import math
@@ -7,8 +8,9 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from gpudl.device import kernels
+from gpudl.device.kernels import fastest_cpu_kernel, measured_cpu_attention as causal_attention
 from gpudl.models import attention
-from gpudl.models.attention import causal_attention, fastest_cpu_kernel
 
 SHAPE = (2, 3, 16, 8)
 
@@ -17,8 +19,9 @@ SHAPE = (2, 3, 16, 8)
 def fresh(monkeypatch, tmp_path):
     """An empty cache folder and no choices remembered from earlier tests."""
     monkeypatch.setenv("GPUDL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(attention, "_chosen", {})
-    return tmp_path
+    kernels.remembered_choice.cache_clear()
+    yield tmp_path
+    kernels.remembered_choice.cache_clear()
 
 
 def by_hand(q, k, v):
@@ -48,7 +51,7 @@ def test_every_kernel_matches_the_formula_and_its_gradients(name, dtype, tol):
 
 @pytest.mark.parametrize("winner", list(attention.CPU_KERNELS))
 def test_bf16_training_runs_on_the_kernel_measured_fastest(fresh, monkeypatch, winner):
-    monkeypatch.setattr(attention, "_time_kernels", lambda *a: {k: 1.0 + (k != winner) for k in attention.CPU_KERNELS})
+    monkeypatch.setattr(kernels, "_time_kernels", lambda *a: {k: 1.0 + (k != winner) for k in attention.CPU_KERNELS})
     calls = []
     monkeypatch.setitem(attention.CPU_KERNELS, winner, lambda *args: calls.append(winner) or by_hand(*args[:3]))
     q = torch.randn(SHAPE, dtype=torch.bfloat16, requires_grad=True)
@@ -71,7 +74,7 @@ def test_composed_attention_drops_weights_as_sdpa_math_does():
 @pytest.mark.parametrize("seconds, expected", [((2.0, 1.0, 3.0), "math"), ((1.0, 2.0, 3.0), "flash"),
                                                ((2.0, 3.0, 1.0), "composed")])
 def test_the_fastest_measured_kernel_is_chosen(fresh, monkeypatch, seconds, expected):
-    monkeypatch.setattr(attention, "_time_kernels",
+    monkeypatch.setattr(kernels, "_time_kernels",
                         lambda dtype, shape: dict(zip(("flash", "math", "composed"), seconds, strict=True)))
     assert fastest_cpu_kernel(torch.bfloat16, SHAPE) == expected
 
@@ -85,8 +88,8 @@ def test_kernels_are_timed_once_per_shape_and_kept_on_disk(fresh, monkeypatch):
     def no_timing(*args):
         raise AssertionError("timed again instead of reading the cache")
 
-    monkeypatch.setattr(attention, "_time_kernels", no_timing)
-    monkeypatch.setattr(attention, "_chosen", {})  # a new process: only the file remembers
+    monkeypatch.setattr(kernels, "_time_kernels", no_timing)
+    kernels.remembered_choice.cache_clear()  # a new process: only the file remembers
     causal_attention(q, q, q)
 
 
@@ -98,18 +101,18 @@ def test_probing_leaves_the_runs_random_state_alone(fresh):
 
 
 def test_sdpa_keeps_its_own_choice_where_nothing_is_gained_or_asked(fresh, monkeypatch):
-    monkeypatch.setattr(attention, "fastest_cpu_kernel", lambda *a: pytest.fail("measured where it should not"))
+    monkeypatch.setattr(kernels, "fastest_cpu_kernel", lambda *a: pytest.fail("measured where it should not"))
     bf16 = torch.randn(SHAPE, dtype=torch.bfloat16, requires_grad=True)
     causal_attention(*(torch.randn(SHAPE, requires_grad=True),) * 3)  # fp32: flash won everywhere measured
     with torch.no_grad():  # inference: a new length each generated token
         causal_attention(bf16, bf16, bf16)
     with sdpa_kernel(SDPBackend.MATH):  # the caller chose (the FLOP counter does)
         causal_attention(bf16, bf16, bf16)
-    assert attention._chosen == {}
+    assert kernels.remembered_choice.cache_info().currsize == 0
 
 
 def test_kernels_that_store_the_scores_are_not_tried_where_its_scores_would_be_large(fresh, monkeypatch):
-    monkeypatch.setattr(attention, "_time_kernels", lambda *a: pytest.fail("timed a shape that is flash's"))
+    monkeypatch.setattr(kernels, "_time_kernels", lambda *a: pytest.fail("timed a shape that is flash's"))
     assert fastest_cpu_kernel(torch.bfloat16, (64, 16, 1024, 64)) is None
 
 
@@ -131,7 +134,7 @@ def test_measuring_from_inside_activation_checkpointing_and_autocast_works(fresh
 @pytest.mark.parametrize("winner, op", [("composed", "softmax"), ("flash", "scaled_dot_product_attention")])
 def test_compiled_training_takes_the_measured_kernel_into_its_graph(fresh, monkeypatch, winner, op):
     """Chosen while tracing, without a graph break (fullgraph); with dynamic shapes, chosen too (one break)."""
-    monkeypatch.setattr(attention, "_time_kernels", lambda *a: {k: 1.0 + (k != winner) for k in attention.CPU_KERNELS})
+    monkeypatch.setattr(kernels, "_time_kernels", lambda *a: {k: 1.0 + (k != winner) for k in attention.CPU_KERNELS})
     graphs = []
 
     def record(gm, example_inputs):
@@ -146,10 +149,34 @@ def test_compiled_training_takes_the_measured_kernel_into_its_graph(fresh, monke
         torch.testing.assert_close(out.double(), by_hand(q, k, v), atol=3e-2, rtol=3e-2)
         out.sum().backward()
         assert torch.isfinite(q.grad).all()
-        if attention.CHOICE_TRACEABLE:
+        if kernels.CHOICE_TRACEABLE:
             assert any(op in target for target in graphs[-1]), f"{winner} is not in the graph compiled with {how}"
-    if attention.CHOICE_TRACEABLE:
-        assert set(attention._chosen) == {(torch.bfloat16, (b, *SHAPE[1:]), torch.get_num_threads()) for b in (4, 3)}
+    if kernels.CHOICE_TRACEABLE:
+        assert kernels.remembered_choice.cache_info().currsize == 2  # batch 4, then batch 3
     else:  # older torch: compiled attention keeps SDPA's choice
-        assert attention._chosen == {} and all("scaled_dot_product_attention" in str(g) for g in graphs)
+        assert kernels.remembered_choice.cache_info().currsize == 0
+        assert all("scaled_dot_product_attention" in str(g) for g in graphs)
     torch.compiler.reset()
+
+
+@pytest.mark.parametrize("setting, device, expected", [("auto", "cpu", "measured_cpu_attention"),
+                                                      ("sdpa", "cpu", "sdpa"), ("auto", "cuda", "sdpa")])
+def test_training_hands_the_model_the_kernel_its_setting_names(setting, device, expected):
+    """build_job gives every attention layer the kernel `train.attention` names; a model alone keeps SDPA."""
+    from gpudl import models
+    from gpudl.config import load_config
+    from gpudl.device import DeviceInfo, cpu_info
+    from gpudl.training.job import Task, build_job
+    from gpudl.training.precision import make_precision
+    from gpudl.training.session import Session
+
+    model = models.build(models.resolve("gpt-tiny", {"n_layer": 2}), torch.device("cpu"))
+    layers = [m for m in model.modules() if type(m).__name__ == "Attention"]
+    assert len(layers) == 2 and all(m.kernel is attention.sdpa for m in layers)
+    info = cpu_info()
+    if device == "cuda":  # only the choice is asked of it: the model stays where it is
+        assert kernels.attention_kernel(DeviceInfo(**{**info.__dict__, "type": "cuda"}), setting) is attention.sdpa
+        return
+    cfg = load_config(None, [f"train.attention={setting}"])
+    build_job(model, cfg, Session(info), make_precision("fp32", info), Task(models.loss_for(models.resolve("gpt-tiny"))))
+    assert all(m.kernel.__name__ == expected for m in layers)

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from gpudl import models
@@ -6,11 +8,15 @@ from gpudl.errors import UserError
 from gpudl.config.settings import parse_literal
 
 
-def test_defaults_are_the_embedded_recipe():
+def test_defaults_are_the_embedded_recipe_but_for_its_time_budget():
+    """`gpudl train` without --config runs the gpt-tiny recipe; the Python defaults are that recipe without
+    its time budget, so a script (and a test) gets the same run on any machine."""
     cfg = load_config()
     assert cfg.model.name == "gpt-tiny" and cfg.train.max_steps == 600 and cfg.train.precision == "auto"
     shipped = load_config("gpt-tiny")
-    assert shipped.train == cfg.train and shipped.optim == cfg.optim and shipped.model == cfg.model
+    assert shipped.train.time_budget_s == 90 and cfg.train.time_budget_s == 0
+    assert shipped.train == dataclasses.replace(cfg.train, time_budget_s=90)
+    assert shipped.optim == cfg.optim and shipped.model == cfg.model
 
 
 @pytest.mark.parametrize("raw, value", [("3", 3), ("1e-3", 1e-3), ("true", True), ("[0.9, 0.95]", [0.9, 0.95]),

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gpudl import models
-from gpudl.observe.metrics import count_training_flops, meta_batch
+from gpudl.observe.flops import count_training_flops, meta_batch
 from gpudl.models.gpt import GPTConfig, formula_flops_per_token
 
 # Parameter counts published with torchvision's ImageNet models (1000 classes, ImageNet stem):

@@ -5,6 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from gpudl import models
+from gpudl.config import ParallelConfig, TrainConfig
+from gpudl.device import cpu_info
+from gpudl.training.session import Session
 from gpudl.distributed.parallelize import apply_activation_checkpointing, checkpoint_units, compile_wanted, parallelize
 from gpudl.errors import UserError
 
@@ -61,7 +64,8 @@ def test_compile_auto_is_off_on_the_cpu():
 def test_compiled_model_trains_to_the_same_loss():
     torch.manual_seed(0)
     eager = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    compiled = parallelize(copy.deepcopy(eager), activation_checkpointing=False, compile=True).model
+    compiled = parallelize(copy.deepcopy(eager), Session(cpu_info()), ParallelConfig(), "fp32",
+                           TrainConfig(compile=True)).model
     assert [n for n, _ in eager.named_parameters()] == [n for n, _ in compiled.named_parameters()]
     x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
     a = F.cross_entropy(eager(x), y)

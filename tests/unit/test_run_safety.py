@@ -138,12 +138,16 @@ def test_a_run_whose_last_steps_were_skipped_fails_and_records_no_zero_loss():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_a_window_of_skipped_steps_logs_nan_not_zero(tiny):
-    from gpudl.training.monitor import Monitor
+def test_a_window_of_skipped_steps_logs_nan_not_zero():
+    from gpudl.config import TrainConfig
+    from gpudl.device import cpu_info
     from gpudl.observe.metrics import Throughput
     from gpudl.training.loop import TrainState
+    from gpudl.training.monitor import Monitor
+    from gpudl.training.session import Session
 
-    monitor = Monitor(throughput=Throughput(1, 1, 1, 1.0), device=torch.device("cpu"), log_every=2, max_steps=4)
+    monitor = Monitor(session=Session(cpu_info()), train=TrainConfig(log_every=2, max_steps=4),
+                      throughput=Throughput(1, 1, 1, 1.0))
     state = TrainState()
     for loss in (math.inf, math.nan, 1.0, 3.0):
         state.step += 1

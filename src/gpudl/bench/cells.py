@@ -25,13 +25,13 @@ from .. import models
 from ..config import Config
 from ..data import DeviceLoader, build_data
 from ..device import DeviceInfo, synchronize
-from ..distributed.parallelize import parallelize
 from ..device.host import release_freed_memory
 from ..observe.metrics import peak_memory_bytes, reset_peak_memory
-from ..training.optim import make_optimizer, make_scheduler
 from ..device.peak import measured_peak_flops, peak_key
 from ..training.precision import make_precision
+from ..training.job import Task, build_job
 from ..training.loop import Job, TrainState, train_loop
+from ..training.session import Session
 
 # The measured figures of a cell; a failed cell has each of them as None.
 FIGURES = ("step_times_s", "samples_per_s", "units_per_s", "samples_per_s_mean", "step_s_p50", "step_s_p90",
@@ -83,17 +83,13 @@ def _batches(cell: Cell, device: torch.device) -> tuple[Iterator, DeviceLoader |
 
 
 def _job(cell: Cell, total_steps: int) -> tuple[Job, DeviceLoader | None]:
-    info, cfg = cell.device, cell.cfg
-    device = info.torch_device
+    """The cell's job, assembled as training assembles it (`build_job`), on one device."""
+    info = cell.device
     precision = make_precision(cell.precision, info)  # raises for a precision the device cannot run
-    model = models.build(cell.spec, device, precision.param_dtype, seed=cfg.run.seed)
-    placed = parallelize(model, activation_checkpointing=cfg.train.activation_checkpointing, compile=cell.compile)
-    optimizer = make_optimizer(placed.model, cfg.optim, device.type)
-    batches, loader = _batches(cell, device)
-    job = Job(model=placed.model, loss_fn=models.loss_for(cell.spec), optimizer=optimizer, precision=precision,
-              scheduler=make_scheduler(optimizer, cfg.optim, total_steps), batches=batches,
-              grad_sync=placed.grad_sync, clip_norm=placed.clip_norm)
-    return job, loader
+    cfg = replace(cell.cfg, train=replace(cell.cfg.train, compile=cell.compile, max_steps=total_steps))
+    model = models.build(cell.spec, info.torch_device, precision.param_dtype, seed=cfg.run.seed)
+    batches, loader = _batches(cell, info.torch_device)
+    return build_job(model, cfg, Session(info), precision, Task(models.loss_for(cell.spec), batches)), loader
 
 
 @dataclass(frozen=True)

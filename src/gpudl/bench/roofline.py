@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..device import DeviceInfo, synchronize
-from ..observe.metrics import meta_batch
+from ..observe.flops import meta_batch
 from ..models import ModelSpec, build_meta, loss_for
 from ..device.peak import cached_measurement
 

@@ -14,7 +14,7 @@ from ..config import Config, load_config, recipe_names
 from ..data import build_data
 from ..device import DeviceInfo, available, detect
 from ..errors import UserError
-from ..observe.metrics import count_training_flops, meta_batch
+from ..observe.flops import count_training_flops, meta_batch
 from ..training.precision import auto_policy, make_precision
 from .cells import Cell, Timing
 

@@ -45,12 +45,17 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    max_steps: int = option(600, "optimizer steps", ge=1)
+    max_steps: int = option(600, "optimizer steps (with a time budget: at most)", ge=1)
+    time_budget_s: float = option(0.0, "train for about this many seconds (0: no budget): the first steps are "
+                                       "timed, then max_steps is lowered to what fits and the schedule follows", ge=0.0)
     batch_size: int = option(32, "samples per micro-batch on each device", ge=1)
     grad_accum: int = option(1, "micro-batches per optimizer step", ge=1)
     precision: PrecisionName = option("auto", "numeric precision; auto picks the fastest safe one")
     compile: bool | Literal["auto"] = option("auto", "torch.compile the model; auto: on for GPUs")
     activation_checkpointing: bool = option(False, "recompute block activations in backward")
+    attention: Literal["auto", "sdpa"] = option(
+        "auto", "attention kernel: auto takes, on the CPU in bf16/fp16, the one measured fastest per shape "
+                "(SDPA flash, SDPA math, or a composed one); sdpa: SDPA's own choice everywhere")
     grad_clip: float = option(1.0, "clip the global grad norm to this (0: no clipping)", ge=0.0)
     max_nonfinite: int = option(20, "stop after this many non-finite steps in a row", ge=1)
     eval_every: int = option(200, "evaluate every N steps (0: only at the end)", ge=0)

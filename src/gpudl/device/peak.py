@@ -154,13 +154,13 @@ def refresh_peaks(info: DeviceInfo) -> None:
     measured_peak_flops(info, info.precisions()[0], refresh=True)
 
 
-def peak_key(precision_policy: str, tf32: bool = False) -> str:
+def peak_key(precision_policy: str) -> str:
     """Which measured peak a precision policy is held against for MFU."""
     if precision_policy.startswith("bf16"):
         return "bf16"
     if precision_policy.startswith("fp16"):
         return "fp16"
-    return "tf32" if tf32 else "fp32"
+    return "fp32"
 
 
 def measure_cpu_peaks_for_workers(threads: int) -> None:

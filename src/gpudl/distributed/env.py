@@ -11,8 +11,6 @@ DistEnv(rank=1, world_size=4, local_rank=1, local_world_size=2, restart_count=0,
 from __future__ import annotations
 
 import atexit
-import ctypes
-import ctypes.util
 import os
 import re
 import signal
@@ -24,6 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..device.host import libc_function
 from ..errors import UserError
 
 PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
@@ -94,7 +93,7 @@ def init_process_group(env: DistEnv, backend: str, timeout_s: int, init_method: 
                                 world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError) as e:
         raise UserError(f"rank {env.rank} of {env.world_size} could not join the job's process group ({e}): "
-                        f"check that every node can reach the rendezvous endpoint") from None
+                        f"check that every node can reach the rendezvous endpoint") from e
     atexit.register(_leave_process_group)
 
 
@@ -108,13 +107,9 @@ def _leave_process_group() -> None:
 
 def die_with_agent() -> None:
     """Ask Linux to end this worker when its agent dies: an orphaned worker would wait forever."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+    prctl = libc_function("prctl")
+    if prctl is not None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def check_devices(env: DistEnv, device_type: str) -> None:

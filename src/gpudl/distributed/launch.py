@@ -1,23 +1,32 @@
-"""`gpudl train --nproc-per-node N`: start the workers through torchrun's own launcher.
+"""`gpudl train --nproc-per-node N`: check the job once, then start the workers through torchrun's own launcher.
 
 This process becomes torchrun's agent (`torch.distributed.run`), which starts N workers that
 run `python -m gpudl train ...` with RANK, WORLD_SIZE, LOCAL_RANK set, restarts the whole group
 up to `--max-restarts` times when a worker dies, and handles multi-node rendezvous. Every
 worker runs with one fixed run name and `--resume auto`, so a restarted group continues from
 the newest checkpoint by itself. Under SLURM (`srun`, one launcher per node) the node count,
-node rank and rendezvous host come from SLURM's environment.
+node rank and rendezvous host come from SLURM's environment. Everything that can be wrong with
+the request (`preflight.check_job`, the devices, the run folder) is said here, once.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
+import signal
 import socket
 import time
+from datetime import datetime
+from pathlib import Path
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..checkpoint.files import complete_checkpoints, step_of
+from ..config import Config
+from ..device import available, detect
 from ..errors import UserError
 from .env import _first_slurm_host
+from .preflight import check_job
 
 DEFAULT_PORT = 29500
 # How long a node waits for the rendezvous endpoint to answer before giving up with a clear error.
@@ -115,3 +124,66 @@ def launch(args: LaunchArgs, worker_argv: list[str]) -> int:
     except SignalException as e:  # SIGINT/SIGTERM: the agent passed it on and waited for the workers to save
         return 128 + e.sigval
     return 0
+
+
+def _check(cfg: Config, la: LaunchArgs) -> None:
+    """The job's own checks (as each worker makes them), and the processes against this machine's devices."""
+    if la.nproc_per_node < 1 or la.nnodes < 1 or la.max_restarts < 0:
+        raise UserError("--nproc-per-node and --nnodes must be >= 1 and --max-restarts >= 0")
+    from ..training.precision import make_precision
+
+    info = detect(cfg.run.device)
+    check_job(cfg, la.world, make_precision(cfg.train.precision, info).name)
+    if info.type != "cpu" and la.nproc_per_node > info.count:
+        raise UserError(f"--nproc-per-node {la.nproc_per_node} asks for more processes than this machine's "
+                        f"{info.count} {info.kind} device(s): use --nproc-per-node {info.count}")
+
+
+def _worker_argv(args, run_dir: Path) -> list[str]:
+    """What each worker runs: the user's own settings, and one run folder for every worker and restart."""
+    argv = ["train"] + (["--debug"] if args.debug else [])
+    if args.resume:  # the run's own config.toml, changed only by the user's --set, --device, --precision
+        where = ["--resume", str(run_dir)]
+    else:  # "auto" resumes the new run once it has a checkpoint (after a restart)
+        where = (["--config", args.config] if args.config else []) + \
+            ["--set", f"run.dir={run_dir.parent}", "--set", f"run.name={run_dir.name}", "--resume", "auto"]
+    for item in args.sets:
+        argv += ["--set", item]
+    for flag, value in (("--device", args.device), ("--precision", args.precision)):
+        if value:
+            argv += [flag, value]
+    return argv + where
+
+
+def _stopped(code: int, run_dir: Path, la: LaunchArgs) -> str:
+    newest = complete_checkpoints(run_dir / "checkpoints")
+    saved = f"the newest checkpoint is step {step_of(newest[-1])}" if newest else "no checkpoint was saved"
+    nodes = ["--nnodes", str(la.nnodes)] if la.nnodes > 1 else []
+    again = shlex.join(["gpudl", "train", "--nproc-per-node", str(la.nproc_per_node), *nodes, "--resume", str(run_dir)])
+    return f"Stopped by {signal.Signals(code - 128).name}: {saved}. Resume with: {again}"
+
+
+def launch_training(args, cfg: Config, console: Console) -> int:
+    la = from_slurm(LaunchArgs(args.nproc_per_node or 1, args.nnodes, args.node_rank, args.rdzv_endpoint,
+                               args.max_restarts), os.environ)
+    _check(cfg, la)
+    if args.resume:
+        run_dir = Path(args.resume)
+    elif cfg.run.name:
+        run_dir = Path(cfg.run.dir) / cfg.run.name
+    elif la.nnodes > 1:
+        raise UserError("a job over several machines needs one run name on all of them: add --set run.name=NAME")
+    else:
+        run_dir = Path(cfg.run.dir) / f"{cfg.model.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    if args.resume and not complete_checkpoints(run_dir / "checkpoints"):
+        raise UserError(f"nothing to resume: {run_dir / 'checkpoints'} holds no complete checkpoint; "
+                        f"start a new run instead")
+    if not args.resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        raise UserError(f"run folder {run_dir} already holds a run: continue it with --resume {run_dir}, "
+                        f"or choose another --set run.name=...")
+    console.print(f"Launching {la.nproc_per_node} process(es) per node x {la.nnodes} node(s) "
+                  f"on {available()[0]}; run folder {run_dir}")
+    code = launch(la, _worker_argv(args, run_dir))
+    if code > 128:
+        console.print(_stopped(code, run_dir, la), markup=False, soft_wrap=True)
+    return code

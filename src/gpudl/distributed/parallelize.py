@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ParallelConfig
+from ..config import ParallelConfig, TrainConfig
 from ..errors import UserError
 from .mesh import ParallelDims
 from .parts import Parallelized
+
+if TYPE_CHECKING:  # the session is built from distributed/'s pieces; only its type is needed here
+    from ..training.session import Session
 
 
 def block_units(model: nn.Module) -> list[nn.Module]:
@@ -69,72 +74,80 @@ def _triton_present() -> bool:
     return find_spec("triton") is not None
 
 
-def _data_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, precision_name: str,
-                   cfg: ParallelConfig, device: torch.device) -> Parallelized:
+@dataclass(frozen=True)
+class _Layout:
+    """What each step of the order needs: the job's layout and the training options that shape the model."""
+
+    dims: ParallelDims | None
+    mesh: DeviceMesh | None
+    device: torch.device
+    parallel: ParallelConfig
+    precision_name: str
+    activation_checkpointing: bool
+    compile: bool
+
+    @property
+    def data_parallel(self) -> bool:
+        return self.dims is not None and self.mesh is not None and self.dims.dp > 1
+
+
+def _data_parallel(model: nn.Module, layout: _Layout) -> Parallelized:
     # DDP cannot hold DTensor parameters, nor serve two pipeline stages of one rank (its reducer
     # asserts): with tensor or pipeline parallelism, replication too goes through FSDP2, on a
     # (dp_replicate, dp_shard=1) mesh: shards of one rank, gradients all-reduced.
+    dims, mesh, cfg = layout.dims, layout.mesh, layout.parallel
     if dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1:
         from .fsdp import apply_fsdp, fsdp_grad_sync
 
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        model = apply_fsdp(model, block_units(model), dp_mesh, precision_name,
+        model = apply_fsdp(model, block_units(model), dp_mesh, layout.precision_name,
                            cfg.fsdp_reshard_after_forward, cfg.fsdp_cpu_offload)
         return Parallelized(model, grad_sync=fsdp_grad_sync(model))
-    if dims.dp_replicate > 1:
-        from .ddp import apply_ddp, ddp_grad_sync
+    from .ddp import apply_ddp, ddp_grad_sync
 
-        model = apply_ddp(model, mesh["dp_replicate"], device)
-        return Parallelized(model, grad_sync=ddp_grad_sync(model))
-    return Parallelized(model)
+    model = apply_ddp(model, mesh["dp_replicate"], layout.device)
+    return Parallelized(model, grad_sync=ddp_grad_sync(model))
 
 
-def parallelize(model: nn.Module, *, activation_checkpointing: bool, compile: bool,
-                dims: ParallelDims | None = None, mesh: DeviceMesh | None = None, precision_name: str = "fp32",
-                cfg: ParallelConfig | None = None, device: torch.device | None = None,
-                materialize: Callable | None = None, batch_size: int | None = None) -> Parallelized:
+def parallelize(model: nn.Module, session: Session, parallel: ParallelConfig, precision_name: str,
+                train: TrainConfig, materialize: Callable | None = None) -> Parallelized:
     """Apply, in order: pipeline split, tensor parallelism, activation checkpointing, compile, FSDP or DDP.
 
+    The layout comes from `session` (its degrees, mesh and device; one process has none), the
+    options from `train` (activation checkpointing, compile, the batch size a pipeline splits).
     `model` may come on the meta device with `materialize(model, only=names)`, which allocates and
     initialises it: a pipeline rank allocates only the parts it holds (`only=None`: everything).
-    `batch_size` (per rank) is checked against the pipeline's micro-batches.
     """
-    cfg = cfg or ParallelConfig()
-    if dims is not None and dims.pp > 1:
-        return _pipeline(model, activation_checkpointing, compile, dims, mesh, precision_name, cfg, device,
-                         materialize, batch_size)
+    device = session.device.torch_device
+    layout = _Layout(session.dims, session.mesh, device, parallel, precision_name, train.activation_checkpointing,
+                     compile_wanted(train.compile, device.type))
+    if layout.dims is not None and layout.dims.pp > 1:
+        return _pipeline(model, layout, materialize, train.batch_size)
     if materialize is not None:
         materialize(model, only=None)
-    return _after_split(model, activation_checkpointing, compile, dims, mesh, precision_name, cfg, device)
+    return _after_split(model, layout)
 
 
-def _after_split(model: nn.Module, activation_checkpointing: bool, compile: bool, dims: ParallelDims | None,
-                 mesh: DeviceMesh | None, precision_name: str, cfg: ParallelConfig,
-                 device: torch.device | None) -> Parallelized:
+def _after_split(model: nn.Module, layout: _Layout) -> Parallelized:
     """Tensor parallelism, activation checkpointing, compile, FSDP or DDP: of the model or of one stage."""
-    if dims is not None and dims.tp > 1:
+    if layout.dims is not None and layout.dims.tp > 1:
         from .tensor import apply_tp
 
-        apply_tp(model, mesh["tp"], sequence_parallel=cfg.tp_sequence_parallel)
-    if activation_checkpointing:
+        apply_tp(model, layout.mesh["tp"], sequence_parallel=layout.parallel.tp_sequence_parallel)
+    if layout.activation_checkpointing:
         apply_activation_checkpointing(model)
-    if compile:
+    if layout.compile:
         apply_compile(model)
-    if dims is None or mesh is None or dims.dp == 1:
-        return Parallelized(model)
-    return _data_parallel(model, dims, mesh, precision_name, cfg, device or torch.device("cpu"))
+    return _data_parallel(model, layout) if layout.data_parallel else Parallelized(model)
 
 
-def _pipeline(model: nn.Module, activation_checkpointing: bool, compile: bool, dims: ParallelDims, mesh: DeviceMesh,
-              precision_name: str, cfg: ParallelConfig, device: torch.device | None, materialize: Callable | None,
-              batch_size: int | None) -> Parallelized:
+def _pipeline(model: nn.Module, layout: _Layout, materialize: Callable | None, batch_size: int) -> Parallelized:
     from .pipeline import pipeline_parallelized, split_model
 
-    device = device or torch.device("cpu")
-    split = split_model(model, mesh["pp"].get_local_rank(), cfg, batch_size=batch_size,
-                        precision_name=precision_name, materialize=materialize)
+    pp_mesh = layout.mesh["pp"]
+    split = split_model(model, pp_mesh.get_local_rank(), layout.parallel, batch_size=batch_size,
+                        precision_name=layout.precision_name, materialize=materialize)
     # The rest of the order, for each stage as if it were the model. The rank model keeps the plain
     # names for the optimizer and checkpoints; PipelineStage drives an FSDP stage's gradient syncs.
-    parts = [_after_split(stage, activation_checkpointing, compile, dims, mesh, precision_name, cfg, device).model
-             for stage in split.stages]
-    return pipeline_parallelized(split, parts, mesh["pp"], cfg, device)
+    parts = [_after_split(stage, layout).model for stage in split.stages]
+    return pipeline_parallelized(split, parts, pp_mesh, layout.parallel, layout.device)

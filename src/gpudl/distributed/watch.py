@@ -33,7 +33,7 @@ def is_timeout(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(w in str(error).lower() for w in _TIMEOUT_WORDS)
 
 
-class Progress:
+class StepWatch:
     """This rank's notes in the store, and a diagnosis of a timeout from everyone's notes."""
 
     def __init__(self, rank: int, world: int, layout: dict[str, int], timeout_s: int):

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import UserError
 from ..config.settings import option
-from .attention import causal_attention
+from .attention import sdpa
 
 
 @dataclass(kw_only=True)
@@ -47,6 +47,11 @@ class GPTConfig:
 
 
 class Attention(nn.Module):
+    # The kernel attention runs on: SDPA's own choice unless `models.attention.use_attention` sets another
+    # (training on the CPU takes the one measured fastest: `gpudl.device.kernels`).
+    attention_kernel_slot = True
+    kernel = staticmethod(sdpa)
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         c = cfg.d_model
@@ -60,7 +65,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         # (B, H, T, D); H is the local head count, which tensor parallelism divides.
         q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        y = causal_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        y = self.kernel(q, k, v, self.dropout if self.training else 0.0)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -122,7 +122,10 @@ class ConsoleProgress:
             self.console.print(f"step {record['step']:>6} · {stats}", highlight=False)
 
     def print(self, text: str) -> None:
-        self._progress.console.print(text)
+        self._progress.console.print(text, markup=False, highlight=False)
+
+    def set_total(self, total: int) -> None:
+        self._progress.update(self._task, total=total)
 
 
 def si(x: float | None, unit: str = "") -> str:

@@ -22,20 +22,22 @@ from rich.console import Console
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..config import LogConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
+from ..config import CheckpointConfig, Config, LogConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
+from ..config.settings import from_dict
 from ..data import DeviceLoader
 from ..data.datasets import DatasetBatches, as_batch_source
 from ..data.loader import Batch, map_tensors, tensors_in
-from ..distributed.parallelize import compile_wanted, parallelize
 from ..errors import UserError
-from .runner import Execution, execute
-from ..observe.metrics import count_training_flops
-from .optim import make_optimizer, make_scheduler
+from ..observe.flops import count_training_flops
+from .job import Task, build_job
+from .loop import TrainState
 from .precision import make_precision
 from .run_dir import prepare_run_dir
+from .runner import Execution, Workload, execute
 from .session import Session, plan_parallel, start_session
-from ..config.settings import from_dict
-from .loop import Job, TrainState
+
+# The sections of a run's config that fit's keywords fill in.
+SECTIONS = {"train": TrainConfig, "optim": OptimConfig, "run": RunConfig, "log": LogConfig}
 
 
 @dataclass
@@ -186,21 +188,28 @@ def _same_weights_everywhere(model: nn.Module, session) -> None:
             torch.distributed.broadcast(t, src=0)
 
 
-def _place(model: nn.Module, session, prec, parallel: ParallelConfig, train: TrainConfig):
-    _same_weights_everywhere(model, session)
-    return parallelize(model, activation_checkpointing=train.activation_checkpointing,
-                       compile=compile_wanted(train.compile, session.device.type), dims=session.dims,
-                       mesh=session.mesh, precision_name=prec.name, cfg=parallel, device=session.device.torch_device,
-                       batch_size=train.batch_size)
+def _config(parallel: ParallelConfig | None, **sections: dict[str, Any]) -> Config:
+    """fit's keywords as a run's config, each section checked as a config file's is (settings.from_dict)."""
+    built = {name: _checked(SECTIONS[name], values) for name, values in sections.items()}
+    return Config(**built, parallel=parallel or ParallelConfig(), checkpoint=CheckpointConfig(every=0, export=False))
 
 
-def _data(train_data: Any, train: TrainConfig, seed: int, session: Session, console: Console):
-    """(batch source, its first batch on the device, the train config with the batch size it has)."""
-    source = as_batch_source(train_data, train.batch_size, seed, *session.dp)
+def _workload(model: nn.Module, loss_fn, first: Batch, batch_size: int, console: Console) -> Workload:
+    flops, mfu_note = _count_flops(model, loss_fn, first)
+    if mfu_note:
+        console.print(f"MFU not reported: {mfu_note}", markup=False)
+    return Workload(type(model).__name__, "samples", 1, flops // batch_size,
+                    n_params=sum(p.numel() for p in model.parameters()), mfu_note=mfu_note)
+
+
+def _data(train_data: Any, cfg: Config, session: Session, console: Console):
+    """(batch source, its first batch on the device, the config with the batch size the data has)."""
+    train = cfg.train
+    source = as_batch_source(train_data, train.batch_size, cfg.run.seed, *session.dp)
     first = source.batch(0)  # the loader asks for it again: an iterable's source keeps the batch it read last
     n = _samples_per_batch(train_data, source, first, train.batch_size, console)
     on_device = map_tensors(lambda t: t.to(session.device.torch_device), first)
-    return source, on_device, dataclasses.replace(train, batch_size=n)
+    return source, on_device, dataclasses.replace(cfg, train=dataclasses.replace(train, batch_size=n))
 
 
 def fit(model: nn.Module, train_data, loss: Callable | None = None, *, max_steps: int = 1000,
@@ -227,43 +236,33 @@ def fit(model: nn.Module, train_data, loss: Callable | None = None, *, max_steps
     per process; an iterable's batches are dealt out in turn), with DDP by default or as
     `parallel` says.
     """
-    train = _checked(TrainConfig, {"max_steps": max_steps, "batch_size": batch_size, "grad_accum": grad_accum,
+    cfg = _config(parallel, train={"max_steps": max_steps, "batch_size": batch_size, "grad_accum": grad_accum,
                                    "precision": precision, "compile": compile, "grad_clip": grad_clip,
                                    "activation_checkpointing": activation_checkpointing, "log_every": log_every,
-                                   "eval_every": 0})
-    optim_cfg = _checked(OptimConfig, {"lr": lr, "weight_decay": weight_decay, "warmup_steps": warmup_steps,
-                                       "min_lr_ratio": 0.1})
-    run = _checked(RunConfig, {"device": device, "seed": seed})
-    log = _checked(LogConfig, {"progress": progress})
+                                   "eval_every": 0},
+                  optim={"lr": lr, "weight_decay": weight_decay, "warmup_steps": warmup_steps, "min_lr_ratio": 0.1},
+                  run={"device": device, "seed": seed}, log={"progress": progress})
     _check_trainable(model)
     console = Console(quiet=quiet)
-    session = start_session(run, console)
+    session = start_session(cfg.run, console)
     console = console if session.is_writer else Console(quiet=True)
     out_dir = _new_run_dir(run_dir, session)
-    parallel = parallel or ParallelConfig()
-    plan_parallel(session, parallel, sum(p.numel() for p in model.parameters()))
-    prec = make_precision(train.precision, session.device)
+    plan_parallel(session, cfg.parallel, sum(p.numel() for p in model.parameters()))
+    prec = make_precision(cfg.train.precision, session.device)
     torch.manual_seed(seed)
-    source, first, train = _data(train_data, train, seed, session, console)
+    source, first, cfg = _data(train_data, cfg, session, console)
     loss_fn = _loss_fn(loss, model)
     model = model.to(session.device.torch_device, prec.param_dtype)
-    flops, mfu_note = _count_flops(model, loss_fn, first)
-    if mfu_note:
-        console.print(f"MFU not reported: {mfu_note}", markup=False)
+    work = _workload(model, loss_fn, first, cfg.train.batch_size, console)
     model.zero_grad(set_to_none=True)  # the first step's gradients are its own batch's alone
-    placed = _place(model, session, prec, parallel, train)
-    optimizer = make_optimizer(placed.model, optim_cfg, session.device.type)
+    _same_weights_everywhere(model, session)
     loader = DeviceLoader(source, session.device.torch_device)
-    job = Job(model=placed.model, loss_fn=loss_fn, optimizer=optimizer, precision=prec, batches=loader,
-              scheduler=make_scheduler(optimizer, optim_cfg, max_steps), grad_sync=placed.grad_sync,
-              clip_norm=placed.clip_norm)
+    job = build_job(model, cfg, session, prec, Task(loss_fn, loader))
     if out_dir is not None:
         prepare_run_dir(out_dir, session)
-    ex = Execution(session=session, job=job, train=dataclasses.replace(train, precision=prec.name), log=log,
-                   state=TrainState(), loader=loader, model_name=type(model).__name__, unit="samples",
-                   units_per_sample=1, flops_per_sample=flops // train.batch_size, run_dir=out_dir, mfu_note=mfu_note)
-    outcome = execute(ex, console)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=prec.name))
+    outcome = execute(Execution(session, job, cfg, TrainState(), loader, work, out_dir), console)
     s = outcome.summary
     metrics = Metrics(s["steps"], s["final_loss"], s["samples_per_s"], s["step_s"], s["mfu"], s["peak_mem_gb"],
-                      mfu_note)
-    return FitResult(placed.model, metrics, outcome.records, s)
+                      work.mfu_note)
+    return FitResult(job.model, metrics, outcome.records, s)

@@ -6,34 +6,57 @@ evaluating and checkpointing is left out of the throughput figures.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from .interrupt import StopRequest
+from ..checkpoint import Checkpointer
+from ..config import TrainConfig
+from ..data import DeviceLoader
+from ..distributed.watch import StepWatch
 from ..observe.metrics import Throughput, peak_memory_bytes
-from .loop import TrainState
+from ..observe.sinks import ConsoleProgress
+from .budget import StepBudget
+from .interrupt import StopRequest
+from .loop import Job, TrainState
+from .session import Session
+
+
+@dataclass
+class Saver:
+    """Checkpoints of a job: every `every` steps (0: only at the last) and whenever the run stops early."""
+
+    checkpointer: Checkpointer
+    job: Job
+    every: int = 0
+
+    def due(self, step: int, last: int) -> bool:
+        return step == last or (self.every > 0 and step % self.every == 0)
+
+    def save(self, state: TrainState) -> None:
+        job = self.job
+        extra = {"train_state": dataclasses.asdict(state), "scheduler": job.scheduler.state_dict(),
+                 "scaler": job.precision.state_dict()}
+        self.checkpointer.save(state.step, job.model, job.optimizer, extra)
 
 
 @dataclass
 class Monitor:
-    """Implements the loop's `Events`: records, sinks, progress, and periodic checkpoints."""
+    """Implements the loop's `Events`: records, sinks, progress, periodic checkpoints, stop requests."""
 
+    session: Session              # the device (memory figures) and the mean over data-parallel ranks
+    train: TrainConfig            # log_every, max_steps
     throughput: Throughput
-    device: torch.device
-    log_every: int
-    max_steps: int
     sinks: list = field(default_factory=list)
-    progress: object | None = None
-    data_wait: Callable[[], float] = lambda: 0.0     # seconds spent waiting on data so far
-    save: Callable[[TrainState], None] | None = None
-    save_every: int = 0
-    reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t  # mean over data-parallel ranks
-    note: Callable[[int, str], None] = lambda step, phase: None    # where this rank is, for stall reports
-    stop: StopRequest | None = None                                 # SIGINT/SIGTERM: save and stop early
+    progress: ConsoleProgress | None = None
+    loader: DeviceLoader | None = None   # how long the loop waited for data
+    saver: Saver | None = None
+    watch: StepWatch | None = None        # where this rank is, for stall reports (several processes)
+    stop: StopRequest | None = None      # SIGINT/SIGTERM: save and stop early
+    budget: StepBudget | None = None     # train.time_budget_s: decides max_steps after the first steps
     records: list[dict] = field(default_factory=list)
     _losses: list = field(default_factory=list)
     _norms: list = field(default_factory=list)
@@ -43,31 +66,37 @@ class Monitor:
     _lr: float = 0.0
     _saved_step: int = -1
 
+    def note(self, step: int, phase: str) -> None:
+        if self.watch is not None:
+            self.watch.note(step, phase)
+
     def on_step(self, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
         self.throughput.tick()
         self._losses.append(loss)
         self._norms.append(grad_norm)
         self._lr = lr
-        if state.step % self.log_every == 0 or state.step == self.max_steps:
+        if self.budget is not None and self.budget.on_step(state):
+            self.budget = None  # decided: train.max_steps is the run's length now
+        if state.step % self.train.log_every == 0 or state.step == self.train.max_steps:
             self._log(state, lr)
         self._step_end = time.perf_counter()
 
     def _log(self, state: TrainState, lr: float) -> None:
         self.note(state.step, "logging")
-        losses = self.reduce(torch.stack(self._losses)).tolist()  # one device->host transfer
+        losses = self.session.reduce_mean(torch.stack(self._losses)).tolist()  # one device->host transfer
         norms = torch.stack(self._norms).float().tolist()
         self._losses.clear()
         self._norms.clear()
         rates = self.throughput.window(exclude_s=self._excluded)
         self._excluded = 0.0
-        wait = self.data_wait()
+        wait = self.loader.wait_s if self.loader is not None else 0.0
         window_s = rates["step_s"] * len(losses)
         finite_losses = [x for x in losses if math.isfinite(x)]
         record = {  # a window of non-finite losses only has no loss: NaN, never 0
             "kind": "train", "step": state.step,
             "loss": sum(finite_losses) / len(finite_losses) if finite_losses else float("nan"),
             "lr": lr, "grad_norm": norms[-1], **rates,
-            "peak_mem_gb": peak_memory_bytes(self.device) / 2**30,
+            "peak_mem_gb": peak_memory_bytes(self.session.device.torch_device) / 2**30,
             "data_wait_frac": min(1.0, (wait - self._wait_mark) / window_s) if window_s > 0 else 0.0,
             "nonfinite_total": state.nonfinite_total,
         }
@@ -79,7 +108,7 @@ class Monitor:
     def on_eval(self, state: TrainState, metrics: dict[str, float]) -> None:
         self._excluded += time.perf_counter() - self._step_end  # evaluation ran since the step ended
         self.note(state.step, "evaluation")
-        means = self.reduce(torch.tensor(list(metrics.values()))).tolist()  # each rank saw its own share
+        means = self.session.reduce_mean(torch.tensor(list(metrics.values()))).tolist()  # each rank: its own share
         record = {"kind": "eval", "step": state.step, **dict(zip(metrics, means))}
         self._emit(record)
         if self.progress is not None:
@@ -87,8 +116,7 @@ class Monitor:
             self.progress.print(f"step {state.step:>6} · validation {shown}")
 
     def after_step(self, state: TrainState) -> None:
-        if self.save is not None and (state.step == self.max_steps or
-                                      (self.save_every and state.step % self.save_every == 0)):
+        if self.saver is not None and self.saver.due(state.step, self.train.max_steps):
             t0 = time.perf_counter()
             self._save(state)
             self._excluded += time.perf_counter() - t0
@@ -100,13 +128,13 @@ class Monitor:
             return False
         if self._losses:
             self._log(state, self._lr)
-        if self.save is not None and self._saved_step != state.step:
+        if self.saver is not None and self._saved_step != state.step:
             self._save(state)
         return True
 
     def _save(self, state: TrainState) -> None:
         self.note(state.step, "checkpoint save")
-        self.save(state)
+        self.saver.save(state)
         self._saved_step = state.step
 
     def _emit(self, record: dict) -> None:

@@ -48,3 +48,10 @@ def lr_lambda(warmup: int, total: int, floor: float):
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, max_steps, cfg.min_lr_ratio))
+
+
+def set_total_steps(scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: OptimConfig, max_steps: int) -> None:
+    """Let the cosine end at `max_steps` instead (a time budget decided it after the run's first steps).
+
+    The warm-up does not depend on the total, so steps taken within it were as they would have been."""
+    scheduler.lr_lambdas = [lr_lambda(cfg.warmup_steps, max_steps, cfg.min_lr_ratio)] * len(scheduler.lr_lambdas)

@@ -1,4 +1,4 @@
-"""The run folder: which one a run writes to, and what it leaves there after training."""
+"""The run folder: which one a run writes to, resuming from it, and what a run leaves there after training."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from torch import nn
 
 from .. import models
 from ..checkpoint import Checkpointer, complete_checkpoints, export_safetensors
+from ..checkpoint.files import check_like
 from ..config import Config
 from ..errors import UserError
+from .loop import Job, TrainState
 from .session import Session
 
 # A run samples from the whole model on rank 0's device only if it takes at most this share of it.
@@ -126,3 +128,26 @@ def _sample(model: nn.Module, spec, cfg: Config, session: Session, run_dir: Path
     (run_dir / "sample.txt").write_text(text)
     console.print(f"Sample ({time.perf_counter() - t0:.1f}s), also in {run_dir / 'sample.txt'}:")
     console.print(text, markup=False, highlight=False)
+
+
+def _follow_config_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, peak_lr: float) -> None:
+    """The schedule goes on from where it was, but at the config's peak lr: a resumed run's
+    `--set optim.lr=...` takes effect (the restored state would keep the old one). Unchanged,
+    the lr is computed exactly as the schedule computed it, so resuming stays bit-identical."""
+    scheduler.base_lrs = [peak_lr] * len(scheduler.base_lrs)
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = peak_lr
+        group["lr"] = peak_lr * factor(scheduler.last_epoch)
+
+
+def restore_job(ckpt: Checkpointer, job: Job, peak_lr: float) -> TrainState:
+    """Load the newest checkpoint into `job`: weights, optimizer, schedule, loss scale, RNG; the loop's state."""
+    path = ckpt.latest()
+    if path is None:
+        raise UserError(f"nothing to resume: {ckpt.folder} holds no complete checkpoint; start a new run instead")
+    extra = ckpt.load(path, job.model, job.optimizer)
+    job.scheduler.load_state_dict(check_like(path, "scheduler", extra.get("scheduler"), job.scheduler.state_dict()))
+    _follow_config_lr(job.scheduler, peak_lr)
+    scaler, live = extra.get("scaler", {}), job.precision.state_dict()
+    job.precision.load_state_dict(check_like(path, "scaler", scaler, live) if scaler and live else {})
+    return TrainState(**extra["train_state"])

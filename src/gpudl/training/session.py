@@ -16,7 +16,7 @@ from ..config import ParallelConfig, RunConfig
 from ..device import DeviceInfo, detect
 from ..distributed.env import DistEnv, check_devices, die_with_agent, init_process_group, read_env
 from ..distributed.mesh import ParallelDims
-from ..distributed.watch import Progress
+from ..distributed.watch import StepWatch
 from ..device.host import keep_freed_memory
 
 # Training state per parameter with AdamW and fp32 master weights: weights, gradients, two moments.
@@ -35,12 +35,12 @@ class Session:
     timeout_s: int = 600
     control: dist.ProcessGroup | None = None  # a Gloo group of all ranks for host-side agreement (stop requests)
 
-    def watch(self) -> Progress | None:
-        """Progress notes that turn a collective timeout into a named error (None for one process)."""
+    def watch(self) -> StepWatch | None:
+        """Step notes that turn a collective timeout into a named error (None for one process)."""
         if self.world == 1 or self.dims is None:
             return None
         layout = {k: getattr(self.dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp")}
-        return Progress(self.rank, self.world, layout, self.timeout_s)
+        return StepWatch(self.rank, self.world, layout, self.timeout_s)
 
     @property
     def rank(self) -> int:

@@ -1,0 +1,35 @@
+"""Everything about a training job that can be wrong before any process starts, checked in one place.
+
+The launcher calls `check_job` before it starts N workers, so that a mistake is said once, not N
+times (or N times per restart); every worker calls it too, for a job that torchrun or SLURM
+started directly. Model checks come before the degrees are counted against the processes: no
+number of processes fixes a model that cannot be split.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .. import models
+from ..config import Config
+from ..errors import UserError
+from .mesh import ParallelDims
+
+
+def check_job(cfg: Config, world: int, precision_name: str) -> None:
+    """Refuse, in one line, a job whose model, degrees or data cannot run on `world` processes."""
+    spec = models.resolve(cfg.model.name, cfg.model.overrides)
+    p = cfg.parallel
+    if p.tp > 1 or p.pp > 1:
+        meta = models.build_meta(spec)
+        if p.tp > 1:
+            from .tensor import check_tp
+
+            check_tp(meta, p.tp, p.tp_sequence_parallel)
+        if p.pp > 1:
+            from .pipeline import check_pipeline
+
+            check_pipeline(meta, p, cfg.train.batch_size, precision_name)
+    ParallelDims.resolve(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, world=world)
+    if cfg.data.path and cfg.data.path != "sklearn:digits" and not Path(cfg.data.path).expanduser().exists():
+        raise UserError(f"data.path {cfg.data.path!r} does not exist on this machine: point it at your data")

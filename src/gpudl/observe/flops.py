@@ -1,0 +1,42 @@
+"""FLOPs of a training step, counted once with `torch.utils.flop_counter` over one forward +
+backward: on the meta device where possible (no memory, no compute, every kernel counted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..data.loader import Batch, map_tensors, tensors_in
+
+
+def count_training_flops(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor]) -> int:
+    """FLOPs of one forward + backward of `model` on `batch` (any device, meta included).
+
+    `batch` is what `loss_fn` takes: tensors in tuples, lists and dicts, nested.
+
+    Attention runs through the math kernel while counting, so it is counted on every device
+    (the counter knows the CUDA flash kernels but not the CPU one). RNG state and gradients
+    are left as they were.
+    """
+    grads = {p: p.grad for p in model.parameters()}
+    buffers = {b: b.clone() for b in model.buffers()}  # e.g. BatchNorm statistics a forward updates
+    devices = [t.device for t in tensors_in(batch) if t.device.type == "cuda"][:1]
+    with torch.random.fork_rng(devices=devices), sdpa_kernel(SDPBackend.MATH), \
+            FlopCounterMode(display=False) as counter:
+        loss_fn(model, batch).backward()
+    with torch.no_grad():
+        for p, g in grads.items():
+            p.grad = g
+        for b, saved in buffers.items():
+            b.copy_(saved)
+    return int(counter.get_total_flops())
+
+
+def meta_batch(batch: Batch) -> Batch:
+    """A batch of the same structure, shapes and dtypes on the meta device."""
+    return map_tensors(lambda t: torch.empty_like(t, device="meta"), batch)

@@ -1,0 +1,63 @@
+"""Assembling a training job: the one way a model, its data and the settings become what the loop runs.
+
+Recipes (`gpudl.train`), `gpudl.fit` and `gpudl bench` all call `build_job`, as the memory planner
+and the server will: one attention kernel choice, one `parallelize` order, one optimizer and
+schedule, so that whatever measures or plans a job measures the job that trains.
+
+>>> import torch
+>>> from gpudl.config import Config
+>>> from gpudl.device import cpu_info
+>>> from gpudl.training.precision import make_precision
+>>> from gpudl.training.session import Session
+>>> net = torch.nn.Linear(4, 2)
+>>> job = build_job(net, Config(), Session(cpu_info()), make_precision("fp32", cpu_info()),
+...                 Task(loss_fn=lambda model, batch: model(batch[0]).square().mean()))
+>>> type(job.optimizer).__name__, job.scheduler.get_last_lr()[0] < Config().optim.lr
+('AdamW', True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..config import Config
+from ..data.loader import Batch
+from ..device.kernels import attention_kernel
+from ..distributed.parallelize import parallelize
+from ..models.attention import use_attention
+from .loop import Job, standard_micro_step
+from .optim import make_optimizer, make_scheduler
+from .precision import Precision
+from .session import Session
+
+
+@dataclass
+class Task:
+    """What a job trains for and on: the loss of a batch, the batches, and how to evaluate (optional)."""
+
+    loss_fn: Callable[[nn.Module, Batch], torch.Tensor]
+    batches: Iterator[Batch] = field(default_factory=lambda: iter(()))
+    eval_fn: Callable[[nn.Module, Batch], dict[str, torch.Tensor]] | None = None
+    eval_batches: Callable[[], Iterable[Batch]] | None = None
+
+
+def build_job(model: nn.Module, cfg: Config, session: Session, precision: Precision, task: Task,
+              materialize: Callable | None = None) -> Job:
+    """`model` placed for this process's part of the job, with its optimizer and schedule.
+
+    `cfg` gives the train, optim and parallel sections; `session` the device and the layout (a
+    single process has none). A model on the meta device comes with `materialize(model, only)`,
+    which `parallelize` calls for the parts this rank holds.
+    """
+    use_attention(model, attention_kernel(session.device, cfg.train.attention))
+    placed = parallelize(model, session, cfg.parallel, precision.name, cfg.train, materialize)
+    optimizer = make_optimizer(placed.model, cfg.optim, session.device.type)
+    return Job(model=placed.model, loss_fn=task.loss_fn, optimizer=optimizer,
+               scheduler=make_scheduler(optimizer, cfg.optim, cfg.train.max_steps), precision=precision,
+               batches=task.batches, eval_fn=placed.eval_fn or task.eval_fn, eval_batches=task.eval_batches,
+               grad_sync=placed.grad_sync, micro_step=placed.micro_step or standard_micro_step,
+               clip_norm=placed.clip_norm)
