@@ -61,5 +61,6 @@ class StepBudget:
         self.on_decided(self.cfg)
         if self.progress is not None:
             self.progress.set_total(steps)
-            self.progress.print(f"Time budget {budget:g} s: a step takes {step_s * 1e3:.0f} ms, so "
-                                f"{steps} of {wanted} steps (train.time_budget_s)")
+            self.progress.print(f"Time budget {budget:g} s: a step takes {step_s * 1e3:.0f} ms, so {steps} of "
+                                f"{wanted} steps" + (" (--set train.time_budget_s=0 trains them all)"
+                                                     if steps < wanted else ""))
