@@ -37,7 +37,7 @@ def _read_toml(source: str | Path | None) -> dict:
     try:
         return tomllib.loads(path.read_text(encoding="utf8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"config file {str(path)!r} is not valid TOML ({e}): fix the file") from None
+        raise UserError(f"config file {str(path)!r} is not valid TOML ({e}): fix the file") from e
 
 
 def config_from_dict(data: dict) -> Config:

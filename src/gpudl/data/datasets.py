@@ -42,11 +42,11 @@ def _collate(items: list, indices: list[int]) -> Any:
         odd = next(((i, item) for i, item in zip(indices, items) if _shapes(item) != first), None)
         if odd is None:
             raise UserError(f"the dataset's samples cannot be made into a batch ({str(e).splitlines()[0]}): "
-                            f"return tensors, numbers, or tuples and dicts of them") from None
+                            f"return tensors, numbers, or tuples and dicts of them") from e
         shown = [map_tensors(lambda t: tuple(t.shape), x) for x in (items[0], odd[1])]
         raise UserError(f"samples {indices[0]} and {odd[0]} of the dataset have different shapes, {shown[0]} and "
                         f"{shown[1]}, so they cannot be stacked into one batch: make every sample the same shape "
-                        f"(pad or crop), or pass a DataLoader with a collate_fn that pads") from None
+                        f"(pad or crop), or pass a DataLoader with a collate_fn that pads") from e
 
 
 class DatasetBatches:
@@ -104,7 +104,7 @@ class IterableBatches:
             if "stack expects each tensor to be equal size" not in str(e):
                 raise
             raise UserError(f"{self._what} cannot stack its samples into one batch ({str(e).splitlines()[0]}): make "
-                            f"every sample the same shape, or give it a collate_fn that pads") from None
+                            f"every sample the same shape, or give it a collate_fn that pads") from e
         except StopIteration:
             if self._next_k == 0:
                 raise UserError(f"{self._what} yields no batches: pass at least one batch") from None

@@ -100,7 +100,7 @@ def image_folder(root: Path, size: int) -> ImageSet:
             with Image.open(f) as im:
                 pixels = im.convert("RGB").resize((size, size))
         except OSError as e:
-            raise UserError(f"cannot read image {str(f)!r} ({e}): remove or replace it") from None
+            raise UserError(f"cannot read image {str(f)!r} ({e}): remove or replace it") from e
         images[i] = torch.frombuffer(bytearray(pixels.tobytes()), dtype=torch.uint8).view(size, size, 3).permute(2, 0, 1)
     return ImageSet(images, torch.tensor([c for _, c in files]), classes)
 

@@ -86,7 +86,7 @@ class TokenStream:
         try:
             self.tokens = np.memmap(file, dtype=np.dtype(dtype), mode="r")
         except (OSError, ValueError) as e:
-            raise UserError(f"cannot read token file {str(file)!r} as {dtype}: {e}") from None
+            raise UserError(f"cannot read token file {str(file)!r} as {dtype}: {e}") from e
         if len(self.tokens) == 0:
             raise UserError(f"token file {str(file)!r} is empty")
         self.file = file
