@@ -72,8 +72,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", parents=[common], help="write a run's weights to one safetensors file")
     p.add_argument("run_dir", nargs="?", help="run folder (default: the newest under runs/)")
     p.add_argument("--out", help="output file (default: RUN_DIR/model.safetensors)")
+    _plan_parser(sub)
     _bench_parsers(sub)
     return parser
+
+
+def _plan_parser(sub) -> None:
+    p = sub.add_parser("plan", parents=[_common()], help="will it fit? every layout's predicted memory and "
+                                                          "step time, and the fastest that fits")
+    _config_args(p)
+    p.add_argument("--target", metavar="GPU", help="plan for a GPU that is not here (e.g. a100-40gb, h100-80gb)")
+    p.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="devices per machine")
+    p.add_argument("--nnodes", type=int, default=1, help="machines")
+    p.add_argument("--memory-limit", metavar="SIZE", help="plan for this much memory per device (e.g. 12GiB)")
+    p.add_argument("--json", action="store_true", help="the plan as JSON on stdout")
 
 
 def _bench_parsers(sub) -> None:

@@ -155,6 +155,30 @@ def cmd_export(args, console: Console) -> int:
     return 0
 
 
+def cmd_plan(args, console: Console) -> int:
+    from .memory.plan import local_machine, parse_size, plan, target_machine
+    from .memory.report import plan_json, plan_table, why
+
+    if args.nproc_per_node < 1 or args.nnodes < 1:
+        raise UserError("--nproc-per-node and --nnodes must be >= 1")
+    limit = parse_size(args.memory_limit) if args.memory_limit else None
+    args.resume = None  # plan takes a recipe as train does, never a run to resume
+    cfg = train_config(args)
+    machine = target_machine(args.target, args.nproc_per_node, args.nnodes, limit) if args.target else \
+        local_machine(args.device or "auto", args.nproc_per_node, args.nnodes, limit)
+    if args.json:
+        console = Console(stderr=True)
+    console.print(f"Tracing one training step of {cfg.model.name} per layout on fake tensors "
+                  f"(nothing is allocated) ...")
+    result = plan(cfg, machine)
+    if args.json:
+        _print_json(plan_json(result))
+    else:
+        console.print(plan_table(result), width=max(console.width, 120))
+    console.print(why(result), markup=False, soft_wrap=True)
+    return 0 if result.winner else 2
+
+
 def _bench_command(args) -> str:
     """The command line as the user could type it again (for the report)."""
     import shlex

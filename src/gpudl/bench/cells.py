@@ -30,7 +30,7 @@ from ..observe.metrics import peak_memory_bytes, reset_peak_memory
 from ..device.peak import measured_peak_flops, peak_key
 from ..training.precision import make_precision
 from ..training.job import Task, build_job
-from ..training.loop import Job, TrainState, train_loop
+from ..training.loop import Job, NoEvents, TrainState, train_loop
 from ..training.session import Session
 
 # The measured figures of a cell; a failed cell has each of them as None.
@@ -57,17 +57,6 @@ class Cell:
         data = " · real data" if self.real_data else ""
         mode = "compiled" if self.compile else "eager"
         return f"{self.model} · {self.device.kind} · {self.precision} · {mode}{data}"
-
-
-class _Quiet:
-    """The loop's events, ignored: a cell times steps from outside the loop."""
-
-    def on_step(self, *args) -> None: ...
-    def on_eval(self, *args) -> None: ...
-    def after_step(self, *args) -> None: ...
-
-    def should_stop(self, *args) -> bool:
-        return False
 
 
 def _batches(cell: Cell, device: torch.device) -> tuple[Iterator, DeviceLoader | None]:
@@ -115,7 +104,7 @@ def _timed_steps(job: Job, cell: Cell, state: TrainState, tick: Callable[[], Non
         one_more = replace(cfg, max_steps=state.step + 1)
         synchronize(device)
         t0 = time.perf_counter()
-        train_loop(job, one_more, state, _Quiet())
+        train_loop(job, one_more, state, NoEvents())
         synchronize(device)
         times.append(time.perf_counter() - t0)
         tick()

@@ -5,9 +5,9 @@
 (10, 'gpt-tiny', 2)
 """
 
-from .load import config_from_dict, load_config, recipe_names
+from .load import config_from_dict, load_config, recipe_names, with_sets
 from .tree import (CheckpointConfig, Config, DataConfig, LogConfig, ModelConfig, OptimConfig, ParallelConfig,
                    RunConfig, SampleConfig, TrainConfig)
 
 __all__ = ["CheckpointConfig", "Config", "DataConfig", "LogConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
-           "RunConfig", "SampleConfig", "TrainConfig", "config_from_dict", "load_config", "recipe_names"]
+           "RunConfig", "SampleConfig", "TrainConfig", "config_from_dict", "load_config", "recipe_names", "with_sets"]

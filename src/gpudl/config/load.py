@@ -68,7 +68,15 @@ def _check_run_name(name: str | None) -> None:
 
 def load_config(source: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a recipe (path or shipped name; None: the embedded default) and apply `key=value` overrides."""
-    data = _read_toml(source)
+    return _with_overrides(_read_toml(source), overrides)
+
+
+def with_sets(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    """`cfg` with `key=value` overrides applied and checked, as `--set` applies them."""
+    return _with_overrides(tomllib.loads(cfg.to_toml()), overrides)
+
+
+def _with_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> Config:
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip() or "." not in key:

@@ -1,4 +1,5 @@
-"""Datasheet figures that no runtime API reports: FP32 lanes per SM and dense peak FLOP/s.
+"""Datasheet figures that no runtime API reports: FP32 lanes per SM, dense peak FLOP/s, and the
+GPUs `gpudl plan --target` plans for (memory, links).
 
 Peaks are the vendors' dense (not 2:4 sparse) tensor-core figures in TFLOP/s for the
 SXM/OAM parts unless the name says otherwise. gpudl always prints them beside the peak it
@@ -6,6 +7,8 @@ measures itself, and computes MFU against the measured one.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 # FP32 "CUDA cores" per SM by compute capability (NVIDIA architecture whitepapers).
 CUDA_CORES_PER_SM = {
@@ -60,3 +63,25 @@ def datasheet_tflops(name: str) -> dict[str, float]:
 
 def cuda_cores_per_sm(major: int, minor: int) -> int | None:
     return CUDA_CORES_PER_SM.get((major, minor))
+
+
+@dataclass(frozen=True)
+class Target:
+    """A GPU one can rent, for `gpudl plan --target`: what the planner needs to know of it."""
+
+    name: str             # how a user names it: "a100-40gb"
+    device: str           # the name its driver reports (for the datasheet peaks above)
+    memory_gib: float     # memory as torch reports it (a "40 GB" A100 has 39.4 GiB)
+    link_gb_s: float      # GB/s between two GPUs of one node, each way (NVLink, Infinity Fabric or PCIe)
+
+
+# Node-internal links: NVLink 4 (H100/H200) 450 GB/s each way, NVLink 3 (A100) 300, NVLink 2 (V100) 150,
+# Infinity Fabric (MI300X) 448; PCIe 4 x16 about 25 GB/s in practice, PCIe 5 about 50.
+TARGETS: dict[str, Target] = {t.name: t for t in (
+    Target("h200", "H200", 140.4, 450), Target("h100-80gb", "H100 SXM", 79.1, 450),
+    Target("h100-pcie", "H100 PCIe", 79.1, 50), Target("a100-80gb", "A100-SXM4-80GB", 79.2, 300),
+    Target("a100-40gb", "A100-SXM4-40GB", 39.4, 300), Target("l40s", "L40S", 44.4, 25),
+    Target("l4", "L4", 22.0, 25), Target("a10g", "A10G", 22.0, 25), Target("rtx-4090", "RTX 4090", 23.6, 25),
+    Target("rtx-3090", "RTX 3090", 23.6, 25), Target("v100-32gb", "V100-SXM2-32GB", 31.7, 150),
+    Target("t4", "T4", 14.6, 12), Target("mi300x", "MI300X", 192.0, 448),
+)}

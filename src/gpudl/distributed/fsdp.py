@@ -23,6 +23,12 @@ def apply_fsdp(model: nn.Module, units: list[nn.Module], dp_mesh: DeviceMesh, pr
     A 1-D mesh is FSDP; a 2-D (dp_replicate, dp_shard) mesh is HSDP: sharded within a group,
     replicated across groups.
     """
+    for p in model.parameters():
+        if not p.is_contiguous():
+            # FSDP2 shards contiguous parameters only: channels-last convolution weights (ResNet) go back to
+            # the default layout here, at some speed on the CPU, rather than failing. In place (`.data`): the
+            # parameter objects the optimizer will see stay the same.
+            p.data = p.data.contiguous()
     # Pinned host memory makes the copies to an accelerator asynchronous; a CPU-only job has none to pin.
     offload = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
     options = {"mesh": dp_mesh, "mp_policy": mixed_precision_policy(precision_name), "offload_policy": offload}

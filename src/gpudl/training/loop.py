@@ -72,6 +72,17 @@ class Events(Protocol):
     def should_stop(self, state: TrainState) -> bool: ...
 
 
+class NoEvents:
+    """The loop's events, ignored: for callers that time or measure steps from outside the loop."""
+
+    def on_step(self, *args) -> None: ...
+    def on_eval(self, *args) -> None: ...
+    def after_step(self, *args) -> None: ...
+
+    def should_stop(self, *args) -> bool:
+        return False
+
+
 class NonFiniteError(UserError):
     """Too many steps in a row had a NaN or Inf gradient."""
 

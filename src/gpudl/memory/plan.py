@@ -1,0 +1,316 @@
+"""Plans that fit: the layouts a job can take on a machine, each estimated (`estimate.py`), checked
+against the memory there with a stated margin, and ranked by predicted step time.
+
+The global batch the config asks for (batch_size x grad_accum x data-parallel processes) is kept:
+a smaller micro-batch means more accumulation. For each layout (one process; DDP, FSDP, HSDP,
+tensor parallelism over the processes) and activation checkpointing off and on, the largest
+micro-batch that fits is found by bisection over the halvings (memory grows with the
+micro-batch), so a layout costs a few traces, not one per micro-batch.
+
+Step time, for ranking (the absolute figure is indicative): compute = the step's FLOPs (counted
+once, x 4/3 with checkpointing, which runs each forward twice) / (processes x the precision's
+peak x ASSUMED_MFU), plus one host overhead per micro-step on accelerators; communication,
+not overlapped (a conservative choice), at the link's bandwidth: DDP all-reduces the gradients
+once a step, 2 (n-1)/n of their bytes; FSDP all-gathers the parameters in forward and backward
+of every micro-batch and reduce-scatters the gradients once, (n-1)/n of their bytes each; tensor
+parallelism all-reduces a block's activations four times a micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+
+from .. import models
+from ..config import Config, with_sets
+from ..device import DeviceInfo, detect
+from ..device.specs import TARGETS, datasheet_tflops
+from ..errors import UserError, unknown_name
+from .estimate import Estimate, FakeJobs
+
+MARGIN = 0.10                 # of the predicted peak: allocator fragmentation, and what a trace does not see
+RUNTIME_BYTES = 2**30         # per accelerator process, outside torch's tensors: context, NCCL and cuBLAS buffers
+ASSUMED_MFU = 0.4             # of the precision's peak, for predicted step times
+MICRO_STEP_OVERHEAD_S = 1e-3  # host time to launch a micro-step's kernels on an accelerator
+NODE_LINK_B_S = 25e9          # between nodes: 200 Gb/s InfiniBand or RoCE, each way
+CPU_LINK_B_S = 5e9            # Gloo between processes of one machine
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The devices a plan is for: here (`local`) or one to rent (`target`)."""
+
+    name: str
+    device_type: str
+    memory: int                     # per device, bytes
+    peak_flops: dict[str, float]    # precision key (fp32, bf16, fp16) -> FLOP/s
+    link_b_s: float                 # within a node, each way
+    nproc: int = 1
+    nnodes: int = 1
+    limit: int | None = None        # --memory-limit: what the job's tensors may hold, per device
+
+    @property
+    def world(self) -> int:
+        return self.nproc * self.nnodes
+
+    @property
+    def usable(self) -> int:
+        """Bytes a rank's tensors may hold: the limit, else the memory less what the runtime keeps."""
+        if self.limit is not None:
+            return self.limit
+        return int(self.memory * 0.9) if self.device_type == "cpu" else self.memory - RUNTIME_BYTES
+
+
+def parse_size(text: str) -> int:
+    """"12GiB", "12 GB", "500MiB", "1.5TiB" or a number of bytes -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise UserError(f"memory size {text!r} is not a size: write it like 12GiB, 40GB or 500MiB")
+    power = "KMGT".find(m.group(2).upper()) + 1 if m.group(2) else 0
+    return int(float(m.group(1)) * (1024 if m.group(3) or not m.group(2) else 1000) ** power)
+
+
+def target_machine(target: str, nproc: int, nnodes: int = 1, limit: int | None = None) -> Machine:
+    if target not in TARGETS:
+        raise unknown_name("target GPU", target, TARGETS)
+    t = TARGETS[target]
+    peaks = {k: v * 1e12 for k, v in datasheet_tflops(t.device).items()}
+    return Machine(f"{nproc * nnodes} x {t.name}", "cuda", int(t.memory_gib * 2**30), peaks, t.link_gb_s * 1e9,
+                   nproc, nnodes, limit)
+
+
+def local_machine(device: str = "auto", nproc: int = 1, nnodes: int = 1, limit: int | None = None) -> Machine:
+    from ..device.peak import measured_peak_flops
+
+    info: DeviceInfo = detect(device)
+    if not info.memory_bytes and limit is None:
+        raise UserError(f"{info.label} does not report its memory: give --memory-limit")
+    peaks = {p: measured_peak_flops(info, p) for p in info.precisions() if p != "tf32"}
+    link = CPU_LINK_B_S if info.type == "cpu" else 25e9  # a link's speed is not reported: PCIe-class unless told
+    return Machine(f"{nproc * nnodes} x {info.label}", info.type, info.memory_bytes or limit, peaks, link, nproc,
+                   nnodes, limit)
+
+
+@dataclass
+class Candidate:
+    """One way to run the job: its settings, and what the estimate says of it."""
+
+    strategy: str
+    settings: dict[str, object]             # config keys it sets
+    activation_checkpointing: bool
+    micro_batch: int
+    grad_accum: int
+    estimate: Estimate | None = None
+    step_s: float | None = None
+    rejected: str = ""                      # why it cannot run or does not fit ("" when it fits)
+    traces: int = 0
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate is not None and not self.rejected
+
+    @property
+    def sets(self) -> list[str]:
+        return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.settings.items()]
+
+    def describe(self) -> str:
+        ac = " · checkpointing" if self.activation_checkpointing else ""
+        return f"{self.strategy}{ac} · micro-batch {self.micro_batch} x {self.grad_accum}"
+
+
+@dataclass
+class Plan:
+    machine: Machine
+    global_batch: int
+    candidates: list[Candidate] = field(default_factory=list)
+
+    @property
+    def winner(self) -> Candidate | None:
+        fitting = [c for c in self.candidates if c.fits]
+        return min(fitting, key=lambda c: (c.step_s, -c.micro_batch)) if fitting else None
+
+
+def plan(cfg: Config, machine: Machine) -> Plan:
+    """Every layout of `cfg`'s job on `machine` (or the one its parallel section fixes), the largest
+    micro-batch of each that fits, and their step times."""
+    cfg = _for_machine(cfg, machine)
+    _check_request(cfg, machine)
+    result = Plan(machine, global_batch(cfg, machine.world))
+    flops = _flops_per_sample(cfg)
+    with FakeJobs(machine.world) as traces:
+        for strategy, parallel in _fixed_layout(cfg, machine) or layouts(cfg, machine):
+            plain = _largest_that_fits(cfg, machine, traces, strategy, parallel, False, result.global_batch)
+            result.candidates.append(plain)
+            if not plain.fits or plain.grad_accum > _least_accumulation(cfg, parallel, machine, result.global_batch):
+                # checkpointing costs a third more compute: worth a trace only where it could buy a larger micro-batch
+                result.candidates.append(_largest_that_fits(cfg, machine, traces, strategy, parallel, True,
+                                                            result.global_batch))
+        for c in result.candidates:
+            if c.fits:
+                c.step_s = step_seconds(c, cfg, machine, flops, result.global_batch)
+    return result
+
+
+def _least_accumulation(cfg: Config, parallel: dict, machine: Machine, batch: int) -> int:
+    from .estimate import dims_of
+
+    return 1 if batch % dims_of(_apply(cfg, parallel), machine.world).dp == 0 else 0
+
+
+def _check_request(cfg: Config, machine: Machine) -> None:
+    """What no plan can fix, said in one line before any trace: a layout the model cannot take, or a
+    memory below what the weights, their gradients and the optimizer state need at the most sharding."""
+    from ..distributed.preflight import check_job
+
+    check_job(cfg, machine.world, cfg.train.precision)
+    spec = models.resolve(cfg.model.name, cfg.model.overrides)
+    n = sum(p.numel() for p in models.build_meta(spec).parameters())
+    weight_bytes = 2 if cfg.train.precision == "bf16-true" else 4
+    least = n * (2 * weight_bytes + 8) // machine.world  # weights + gradients + two AdamW moments, all sharded
+    if least > machine.usable:
+        raise UserError(f"{machine.usable / 2**30:.2f} GiB per device is less than the parameters alone need: "
+                        f"{n / 1e6:.0f}M parameters, their gradients and AdamW state take {least / 2**30:.2f} GiB "
+                        f"per device even sharded over {machine.world}: use more devices or more memory")
+
+
+def _fixed_layout(cfg: Config, machine: Machine) -> list[tuple[str, dict[str, object]]]:
+    """The config's own layout, when its parallel section sets one; else none (every layout is planned)."""
+    from .estimate import strategy_of
+
+    p = cfg.parallel
+    if machine.world == 1 or all(v in (1, "auto") for v in (p.dp_replicate, p.dp_shard, p.tp, p.pp)):
+        return []
+    return [(strategy_of(cfg, machine.world), {"parallel.dp_replicate": p.dp_replicate,
+                                                 "parallel.dp_shard": p.dp_shard, "parallel.tp": p.tp,
+                                                 "parallel.pp": p.pp})]
+
+
+def global_batch(cfg: Config, world: int) -> int:
+    from .estimate import dims_of
+
+    return cfg.train.batch_size * cfg.train.grad_accum * dims_of(cfg, world).dp
+
+
+def _for_machine(cfg: Config, machine: Machine) -> Config:
+    """The precision and attention kernel the job will have there (a trace runs on this CPU's fake tensors)."""
+    precision = cfg.train.precision
+    if precision == "auto" and machine.device_type != "cpu":
+        precision = "bf16-mixed" if "bf16" in machine.peak_flops else "fp16-mixed" if "fp16" in machine.peak_flops \
+            else "fp32"
+    elif precision == "auto":
+        from ..training.precision import make_precision
+
+        precision = make_precision("auto", detect("cpu")).name
+    attention = cfg.train.attention if machine.device_type == "cpu" else "sdpa"  # accelerators keep SDPA's choice
+    train = dataclasses.replace(cfg.train, precision=precision, attention=attention, compile=False)
+    return dataclasses.replace(cfg, train=train)
+
+
+def layouts(cfg: Config, machine: Machine) -> list[tuple[str, dict[str, object]]]:
+    """(name, parallel settings) of each way to spread the job over the machine's processes."""
+    w, n = machine.world, machine.nproc
+    if w == 1:
+        return [("one process", {})]
+    flat = {"parallel.tp": 1, "parallel.pp": 1}
+    out = [("DDP", {**flat, "parallel.dp_replicate": w, "parallel.dp_shard": 1}),
+           ("FSDP", {**flat, "parallel.dp_replicate": 1, "parallel.dp_shard": w})]
+    if machine.nnodes > 1:
+        out.append(("HSDP", {**flat, "parallel.dp_replicate": machine.nnodes, "parallel.dp_shard": n}))
+    for t in (2, 4, 8):
+        if t <= n and n % t == 0 and _tp_possible(cfg, t):
+            rest = w // t
+            out.append((f"TP {t}" + (f" x FSDP {rest}" if rest > 1 else ""),
+                        {"parallel.pp": 1, "parallel.tp": t, "parallel.dp_replicate": 1, "parallel.dp_shard": rest}))
+    return out
+
+
+def _tp_possible(cfg: Config, tp: int) -> bool:
+    from ..distributed.tensor import check_tp
+
+    try:
+        check_tp(models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides)), tp, False)
+    except UserError:
+        return False
+    return True
+
+
+def _apply(cfg: Config, settings: dict[str, object]) -> Config:
+    return with_sets(cfg, [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()])
+
+
+def _largest_that_fits(cfg: Config, machine: Machine, traces: FakeJobs, strategy: str, parallel: dict,
+                       ac: bool, batch: int) -> Candidate:
+    """The largest micro-batch (halving from batch / dp) of this layout that fits, by bisection."""
+    from .estimate import dims_of
+
+    dp = dims_of(_apply(cfg, parallel), machine.world).dp
+    if batch % dp:
+        return Candidate(strategy, parallel, ac, 0, 0, rejected=f"the global batch {batch} does not split over "
+                                                                  f"{dp} data-parallel processes")
+    sizes = [batch // dp // 2**k for k in range(int(math.log2(batch // dp)) + 1) if (batch // dp) % 2**k == 0]
+    tried: dict[int, Candidate] = {}
+
+    def attempt(i: int) -> Candidate:
+        b = sizes[i]
+        settings = {**parallel, "train.activation_checkpointing": ac, "train.batch_size": b,
+                    "train.grad_accum": batch // dp // b}
+        c = Candidate(strategy, settings, ac, b, batch // dp // b)
+        c.estimate = traces.estimate(_apply(cfg, settings))
+        need = int(c.estimate.peak * (1 + MARGIN))
+        if need > machine.usable:
+            c.rejected = f"needs {need / 2**30:.2f} GiB with the {MARGIN:.0%} margin, {machine.usable / 2**30:.2f} usable"
+        tried[i] = c
+        return c
+    lo, hi = 0, len(sizes) - 1           # sizes[lo] is the largest; find the first index that fits
+    if attempt(hi).rejected:
+        return tried[hi]                 # not even a micro-batch of the smallest size fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if attempt(mid).rejected:
+            lo = mid + 1
+        else:
+            hi = mid
+    best = tried.get(lo) or attempt(lo)
+    best.traces = len(tried)
+    return best
+
+
+def _flops_per_sample(cfg: Config) -> int:
+    from ..observe.flops import count_training_flops, meta_batch
+    from ..training.recipe import model_and_data
+
+    spec, data = model_and_data(cfg)
+    one = meta_batch(tuple(t[:1] for t in data.train.batch(0)))
+    return count_training_flops(models.build_meta(spec), one, models.loss_for(spec))
+
+
+def step_seconds(c: Candidate, cfg: Config, machine: Machine, flops_per_sample: int, batch: int) -> float:
+    """Predicted seconds per optimizer step (the module docstring gives the model)."""
+    from ..device.peak import peak_key
+
+    peak = machine.peak_flops.get(peak_key(cfg.train.precision)) or machine.peak_flops["fp32"]
+    compute = flops_per_sample * batch * (4 / 3 if c.activation_checkpointing else 1) / (
+        machine.world * peak * ASSUMED_MFU)
+    overhead = c.grad_accum * MICRO_STEP_OVERHEAD_S if machine.device_type != "cpu" else 0.0
+    return compute + overhead + _communication_seconds(c, cfg, machine)
+
+
+def _communication_seconds(c: Candidate, cfg: Config, machine: Machine) -> float:
+    spec = models.resolve(cfg.model.name, cfg.model.overrides)
+    n_params = sum(p.numel() for p in models.build_meta(spec).parameters())
+    w = machine.world
+    link = machine.link_b_s if machine.nnodes == 1 else min(machine.link_b_s, NODE_LINK_B_S)
+    compute_bytes = 2 if cfg.train.precision.startswith(("bf16", "fp16")) else 4
+    tp = int(c.settings.get("parallel.tp", 1))
+    if c.strategy == "DDP":
+        return 2 * (w - 1) / w * n_params * 4 / link
+    shard = int(c.settings.get("parallel.dp_shard", 1))
+    fsdp = 0.0 if shard == 1 else ((2 * c.grad_accum + 1) * (shard - 1) / shard * n_params / tp * compute_bytes
+                                   / link)
+    if tp == 1:
+        return fsdp
+    tokens = c.micro_batch * getattr(spec.config, "block_size", 1)
+    per_block = 4 * 2 * (tp - 1) / tp * tokens * spec.config.d_model * compute_bytes
+    return fsdp + c.grad_accum * spec.config.n_layer * per_block / machine.link_b_s

@@ -1,0 +1,248 @@
+"""One training step traced on fake tensors: the peak of live tensor bytes on one rank, by what holds them.
+
+The job is built by `build_job`, the same as training builds it (attention kernel, parallelize in
+its one order, optimizer, schedule), but inside `FakeTensorMode`: every tensor has a shape, a
+dtype and a device and no storage, so GPT-2 1.5B is traced on a laptop. torch's own `MemTracker`
+(`FSDPMemTracker` for a sharded job) follows every allocation and free of one steady step (the
+optimizer state a first step would have made is made beforehand) and keeps the breakdown at the
+peak.
+
+A job of several processes is traced as its rank 0, in a process whose default group is torch's
+fake process group (collectives return at once): sharding, tensor parallelism and their
+communication buffers are gpudl's real code paths. DDP cannot be traced so (its C++ reducer reads
+tensor data) and neither can a pipeline schedule (its stages exchange shapes): `estimate.py`
+derives them from a one-process trace by formula.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from .. import models
+from ..config import Config
+from ..data.loader import map_tensors
+from ..training.job import Task, build_job
+from ..training.loop import Job, clip_gradients, forward_backward
+from ..training.precision import make_precision
+from ..training.session import Session
+
+# What holds the bytes, as gpudl reports it; torch's trackers name them their own way.
+CATEGORIES = ("params", "buffers", "grads", "optimizer", "activations", "temporaries", "inputs", "communication",
+              "other")
+_CATEGORY_OF = {"PARAM": "params", "SHARDED_PARAM": "params", "UNSHARDED_PARAM": "params", "BUFFER": "buffers",
+                "GRAD": "grads", "SHARDED_GRAD": "grads", "UNSHARDED_GRAD": "grads", "ACT": "activations",
+                "TEMP": "temporaries", "OPT": "optimizer", "INP": "inputs", "ALL_GATHER": "communication",
+                "REDUCE_SCATTER": "communication",
+                "OTH": "inputs"}  # MemTracker's "other" is what we register besides model and optimizer: the batch
+
+
+def trace_step(cfg: Config, session: Session, example: tuple[torch.Tensor, ...], ddp: bool = False) -> dict[str, int]:
+    """Bytes by category at the peak of a steady training step of `cfg`'s model on this rank.
+
+    `example` is one real batch of the data (its shapes and dtypes are all that is used);
+    `cfg.train.batch_size` is the micro-batch traced. `ddp`: the one-process job with DDP's
+    gradient buckets in it (`_ddp_buckets`), as one rank of a DDP job holds them.
+    """
+    spec = models.resolve(cfg.model.name, cfg.model.overrides)
+    # Nothing runs, so the traced device may take any precision the job asks for (bf16 on a CPU without it).
+    precision = make_precision(cfg.train.precision, dataclasses.replace(session.device, bf16=True, fp16=True))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False, grad_accum=1))
+    real = map_tensors(lambda t: _resized(t, cfg.train.batch_size), example)
+    meta = _meta_model(spec)
+    with FakeTensorMode() as fake:
+        model = _fake_model(meta, precision.param_dtype, session.device.torch_device)
+        batch = map_tensors(fake.from_tensor, real)
+        ahead = map_tensors(torch.empty_like, batch)  # the loader copies the next batch while a step runs
+        job = build_job(model, cfg, session, precision, Task(models.loss_for(spec), _repeat(batch)))
+        _create_optimizer_state(job)
+        buckets = _ddp_buckets(job.model) if ddp else None
+        tracker = _tracker(job, [*batch, *ahead], buckets)
+        with tracker, _untracked_propagation(tracker):
+            _step(job, cfg)
+    parts = _breakdown(tracker.get_tracker_snapshot("peak"))
+    inputs = sum(t.untyped_storage().nbytes() for t in (*batch, *ahead))
+    # A one-process tracker files everything registered beside model and optimizer under one name
+    return {**parts, "inputs": inputs, "communication": parts["communication"] + parts["inputs"] - inputs}
+
+
+def _ddp_buckets(model: torch.nn.Module) -> torch.Tensor:
+    """What DDP (gradient_as_bucket_view, as gpudl wraps it) does with gradients, for a trace that cannot
+    run DDP itself (its C++ reducer reads tensor data): one flat buffer of every gradient, allocated
+    with the model; each gradient, once accumulated, copied into its view there and then freed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    offsets = itertools.accumulate((p.numel() for p in params), initial=0)
+    views = {p: flat[start:start + p.numel()].view_as(p) for p, start in zip(params, offsets)}
+
+    def ready(p: torch.Tensor) -> None:
+        views[p].copy_(p.grad)
+        p.grad = views[p]
+    for p in params:
+        p.register_post_accumulate_grad_hook(ready)
+    return flat
+
+
+def _meta_model(spec: models.ModelSpec) -> torch.nn.Module:
+    model = models.build_meta(spec)
+    model.init_weights()  # on the meta device: layouts (channels-last) and ties, no values
+    return model
+
+
+def _fake_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """`model` (on the meta device) with fake parameters and buffers of the same strides, in place.
+
+    A fake model cannot be made by converting one (`Module._apply` swaps fake tensors, which fails).
+    """
+    fakes: dict[int, torch.Tensor] = {}  # tied weights (GPT's embedding and head) stay one tensor
+
+    def fake(t: torch.Tensor, is_param: bool) -> torch.Tensor:
+        if id(t) not in fakes:
+            new = torch.empty_strided(t.shape, t.stride(), dtype=dtype if t.is_floating_point() else t.dtype,
+                                      device=device)
+            fakes[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) if is_param else new
+        return fakes[id(t)]
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = fake(p, True)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = fake(b, False)
+    return model
+
+
+def _resized(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """`t` with `rows` rows (its values do not matter: only shapes reach the fake tensors)."""
+    return t[:1].expand(rows, *t.shape[1:]).contiguous()
+
+
+def _repeat(batch) -> Iterator:
+    while True:
+        yield batch
+
+
+class _GlobalPeak:
+    """Keep only the global peak. torch's trackers also keep every module's own peak, updated after
+    every operator by walking all modules: quadratic in model size (GPT-2 124M: 7 s a trace, 1.5B:
+    two minutes), for figures gpudl does not report. The totals they keep per operator are unchanged.
+    Device queries and DTensor's shape propagation go through untracked (`__torch_dispatch__`)."""
+
+    in_propagation = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.prim.device.default or self.in_propagation:
+            # a device query allocates nothing (three in four operators of a trace are one), nor does DTensor's
+            # shape propagation, which runs each operator on global-shape fakes in the active fake mode (ours)
+            return func(*args, **(kwargs or {}))
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        scratch = kernel_scratch(func, args)
+        if scratch and self._curr_mem_snap:
+            self._count_scratch(scratch)
+        return out
+
+    def _count_scratch(self, nbytes: int) -> None:
+        """A buffer the real kernel allocates inside and frees before it returns: at the peak, not after."""
+        for sign in (1, -1):
+            for snap in self._curr_mem_snap.values():
+                temp = next(key for key in snap if getattr(key, "name", "") == "TEMP")
+                snap["Total"] += sign * nbytes
+                snap[temp] += sign * nbytes
+            if sign == 1:
+                self._update_peak_stats(None)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        for device, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snap["Total"]:
+                self._peak_mem[device] = snap["Total"]
+                self._peak_mem_snap[device] = dict(snap)
+
+
+@contextmanager
+def _untracked_propagation(tracker: _GlobalPeak):
+    """While DTensor propagates an operator's output shapes (on fakes of the global shape, which no real run
+    allocates), the tracker lets its operators through uncounted."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self, op_schema):
+        tracker.in_propagation = True
+        try:
+            return original(self, op_schema)
+        finally:
+            tracker.in_propagation = False
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
+def kernel_scratch(func, args) -> int:
+    """Bytes a real kernel allocates for itself while it runs, which a fake kernel (shapes only) does not.
+
+    Measured, not guessed (the CPU allocator's own log around each operator of a real ResNet-18
+    step): oneDNN's convolution backward on the CPU holds buffers of the weight's size beside its
+    outputs while it reorders the weight gradient, two for a channels-last weight and one for a
+    contiguous one. Kernels of other devices are not modelled (cuDNN's workspace is its own).
+    """
+    if func is torch.ops.aten.convolution_backward.default and args[2].device.type == "cpu":
+        weight = args[2]
+        reorders = 1 if weight.is_contiguous() else 2  # channels-last
+        return reorders * weight.numel() * weight.element_size()
+    return 0
+
+
+class _Tracker(_GlobalPeak, MemTracker):
+    pass
+
+
+class _FSDPTracker(_GlobalPeak, FSDPMemTracker):
+    pass
+
+
+def _tracker(job: Job, inputs: list[torch.Tensor], buckets: torch.Tensor | None) -> MemTracker:
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(job.model, FSDPModule):
+        tracker = _FSDPTracker(job.model, job.optimizer)
+        tracker.track_inputs(tuple(inputs))
+        return tracker
+    tracker = _Tracker()
+    tracker.track_external(job.model, job.optimizer, *inputs, *([buckets] if buckets is not None else []))
+    return tracker
+
+
+def _create_optimizer_state(job: Job) -> None:
+    """The state the first step leaves (AdamW's moments), made by an update with zero gradients: the
+    traced step is then a steady one, at the cost of one optimizer update instead of a whole step."""
+    params = [p for group in job.optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    job.optimizer.step()
+    job.optimizer.zero_grad(set_to_none=True)
+
+
+def _step(job: Job, cfg: Config) -> None:
+    """The loop's step without its finiteness check (a fake tensor has no value to test)."""
+    forward_backward(job, cfg.train.grad_accum)
+    clip_gradients(job, cfg.train.grad_clip)
+    job.precision.step(job.optimizer, True)
+    job.optimizer.zero_grad(set_to_none=True)
+
+
+def _breakdown(snapshot: dict) -> dict[str, int]:
+    out = dict.fromkeys(CATEGORIES, 0)
+    for device_stats in snapshot.values():
+        for kind, nbytes in device_stats.items():
+            if kind != "Total":  # the others are the trackers' enum members: named by their member name
+                out[_CATEGORY_OF.get(getattr(kind, "name", str(kind)), "other")] += int(nbytes)
+    return out

@@ -1,0 +1,87 @@
+"""The memory estimate against real steps, and `gpudl plan`: its table, its choice, and its refusals.
+
+The measurements come from benchmarks/memory_measure.py (c10's own allocation log of a real
+second training step, in fresh processes): nothing there shares code with the estimate.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpudl.cli import main
+from gpudl.config import load_config
+from gpudl.memory.estimate import estimate
+from gpudl.memory.plan import local_machine, parse_size, plan, target_machine
+
+_PATH = Path(__file__).parents[2] / "benchmarks" / "memory_measure.py"
+_spec = importlib.util.spec_from_file_location("memory_measure", _PATH)
+mm = sys.modules.setdefault("memory_measure", importlib.util.module_from_spec(_spec))
+if not hasattr(mm, "measure"):
+    _spec.loader.exec_module(mm)
+
+CASES = [mm.Case("gpt-tiny", 8), mm.Case("gpt-tiny", 32, "bf16-mixed", activation_checkpointing=True),
+         mm.Case("gpt-tiny", 16, strategy="ddp", world=2), mm.Case("gpt-tiny", 32, strategy="fsdp", world=2),
+         mm.Case("gpt-tiny", 32, strategy="tp", world=2), mm.Case("resnet18", 8, overrides=(("data.image_size", 32),)),
+         mm.Case("resnet18", 8, strategy="ddp", world=2, overrides=(("data.image_size", 32),))]
+SMALL_GPT = ["model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.block_size=64", "train.batch_size=16",
+             "train.precision=bf16-mixed", "train.attention=sdpa"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.title)
+def test_the_estimate_is_within_10_percent_of_a_real_step(tmp_path, case):
+    predicted = estimate(load_config(None, case.config_sets()), case.world).peak
+    measured = max(r["peak_bytes"] for r in mm.measure(case, tmp_path))
+    assert predicted == pytest.approx(measured, rel=0.10), (predicted / 2**20, measured / 2**20)
+
+
+def test_a_plan_for_gpus_that_are_not_here_fits_and_says_why(capsys):
+    code = main(["plan", *[a for s in SMALL_GPT for a in ("--set", s)], "--target", "a100-40gb",
+                 "--nproc-per-node", "2", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    layouts = {c["layout"] for c in doc["candidates"]}
+    assert {"DDP", "FSDP", "TP 2"} <= layouts
+    winner = [c for c in doc["candidates"] if c["winner"]]
+    assert len(winner) == 1 and winner[0]["fits"] and winner[0]["step_s"] > 0
+    for c in doc["candidates"]:
+        # the global batch is kept: micro-batch x accumulation x data-parallel processes
+        dp = 1 if c["layout"].startswith("TP") else 2
+        assert c["micro_batch"] * c["grad_accum"] * dp == doc["global_batch"] == 16 * 2
+        assert c["peak_bytes"] * 1.1 <= doc["machine"]["usable_bytes"] or not c["fits"]
+
+
+def test_a_target_gives_the_breakdown_a_trace_gives_on_that_memory():
+    """--target a100-40gb and --memory-limit of the memory it leaves: the same traces, the same figures."""
+    cfg = load_config(None, SMALL_GPT)
+    on_target = plan(cfg, target_machine("a100-40gb", 1))
+    here = plan(cfg, local_machine("cpu", 1, limit=target_machine("a100-40gb", 1).usable))
+    pairs = list(zip(on_target.candidates, here.candidates))
+    assert pairs and all(a.estimate.parts == b.estimate.parts and a.sets == b.sets for a, b in pairs)
+
+
+def test_a_small_memory_limit_shrinks_the_micro_batch_and_keeps_the_global_batch():
+    cfg = load_config(None, [*SMALL_GPT, "train.batch_size=64"])
+    roomy = plan(cfg, local_machine("cpu", 1, limit=parse_size("4GiB"))).winner
+    tight_limit = int(roomy.estimate.peak * 1.1 * 0.6)
+    tight = plan(cfg, local_machine("cpu", 1, limit=tight_limit)).winner
+    assert roomy.micro_batch == 64 and tight is not None
+    assert tight.micro_batch * tight.grad_accum == 64 and (tight.micro_batch < 64 or tight.activation_checkpointing)
+    assert tight.estimate.peak * 1.1 <= tight_limit
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--memory-limit", "12XB"], "is not a size: write it like 12GiB"),
+    (["--target", "a100"], "unknown target GPU 'a100'"),
+    (["--memory-limit", "1MiB"], "is less than the parameters alone need"),
+    (["--nproc-per-node", "2", "--set", "parallel.tp=2", "--set", "model.n_head=3", "--set", "model.d_model=96"],
+     "n_head=3"),
+])
+def test_bad_plan_requests_are_one_line(capsys, argv, words):
+    code = main(["plan", "--set", "model.n_layer=2", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
