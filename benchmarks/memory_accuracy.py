@@ -2,13 +2,15 @@
 
 For each case of a reference suite (GPT and ResNet presets, several micro-batches, activation
 checkpointing off and on, fp32 and bf16-mixed, one process and two-rank DDP, FSDP2 and tensor
-parallelism on the CPU): the peak of live tensor bytes per rank that `gpudl.memory` predicts
-(fake tensors, nothing allocated), beside the peak a real second training step reaches, seen
-by c10's own allocation log (`memory_measure.py`: no code shared with the estimator), and the
-error. The last line: the number of cases, the median and the worst absolute error.
+parallelism, pipelines of two and four ranks under each schedule, on the CPU): the peak of live
+tensor bytes per rank that `gpudl.memory` predicts (fake tensors, nothing allocated; a pipeline's
+rank with the largest peak), beside the peak a real second training step reaches on its busiest
+rank, seen by c10's own allocation log (`memory_measure.py`: no code shared with the estimator),
+and the error. The last line: the number of cases, the median and the worst absolute error.
 
-    python benchmarks/memory_accuracy.py                 # the whole suite (about 10 minutes on 2 cores)
+    python benchmarks/memory_accuracy.py                 # the whole suite (about 17 minutes on 2 cores)
     python benchmarks/memory_accuracy.py --quick         # the cases the tests also hold
+    python benchmarks/memory_accuracy.py --only pp       # one strategy's cases (repeat for more)
     python benchmarks/memory_accuracy.py --json out.json
 """
 
@@ -21,13 +23,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from memory_measure import Case, measure
+from memory_measure import STRATEGIES, Case, measure
 
 from gpudl.config import load_config
 from gpudl.memory.estimate import estimate
 
 MiB = 2**20
 TINY, GPT2, SMALL = (), (("block_size", 256),), (("data.image_size", 32),)
+ACCUM4 = (("train.grad_accum", 4),)
+# Pipeline schedules (the harness's default: 1f1b, 2 micro-batches)
+GPIPE, MICRO4 = (("parallel.pp_schedule", "gpipe"),), (("parallel.pp_microbatches", 4),)
+INTERLEAVED = (("parallel.pp_schedule", "interleaved-1f1b"), ("parallel.pp_stages_per_rank", 2), *MICRO4)
 
 SUITE = [
     Case("gpt-tiny", 8), Case("gpt-tiny", 32), Case("gpt-tiny", 32, "bf16-mixed"),
@@ -49,6 +55,20 @@ SUITE = [
     Case("resnet50", 8, overrides=SMALL), Case("resnet50", 8, "bf16-mixed", overrides=SMALL),
     Case("resnet50", 16, activation_checkpointing=True, overrides=SMALL),
     Case("resnet50", 8, "bf16-mixed", strategy="ddp", world=2, overrides=SMALL),
+    Case("gpt-tiny", 32, strategy="pp", world=2), Case("gpt-tiny", 32, "bf16-mixed", strategy="pp", world=2,
+                                                        overrides=GPIPE),
+    Case("gpt-tiny", 32, activation_checkpointing=True, strategy="pp", world=2, overrides=MICRO4),
+    Case("gpt-tiny", 32, "bf16-mixed", True, strategy="pp", world=2, overrides=INTERLEAVED),
+    Case("gpt-tiny", 32, strategy="pp", world=2, overrides=INTERLEAVED),
+    Case("gpt-tiny", 32, strategy="pp", world=4, overrides=MICRO4),
+    Case("gpt-tiny", 32, "bf16-mixed", strategy="pp", world=4, overrides=GPIPE + (("parallel.pp_microbatches", 8),)),
+    Case("gpt2-124m", 4, strategy="pp", world=2, overrides=GPT2),
+    Case("gpt2-124m", 4, "bf16-mixed", strategy="pp", world=2, overrides=GPT2 + GPIPE),
+    Case("gpt2-124m", 8, "bf16-mixed", True, strategy="pp", world=2, overrides=GPT2 + MICRO4),
+    # accumulation: from the second micro-batch on, each runs beside the gradients of those before it
+    Case("gpt-tiny", 8, overrides=ACCUM4), Case("gpt-tiny", 8, strategy="ddp", world=2, overrides=ACCUM4),
+    Case("gpt-tiny", 8, strategy="fsdp", world=2, overrides=ACCUM4),
+    Case("resnet18", 8, overrides=SMALL + (("train.grad_accum", 2),)),
 ]
 QUICK = [c for c in SUITE if c.model in ("gpt-tiny", "resnet18") and c.batch_size <= 16]
 
@@ -66,15 +86,18 @@ def run_case(case: Case, workdir: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="only the small cases")
+    ap.add_argument("--only", action="append", choices=STRATEGIES, help="only this strategy's cases")
     ap.add_argument("--json", type=Path, help="also write every row here")
     args = ap.parse_args()
     rows = []
-    print(f"{'case':<48} {'predicted MiB':>14} {'measured MiB':>13} {'error':>8} {'estimate s':>11}")
+    cases = [c for c in (QUICK if args.quick else SUITE) if not args.only or c.strategy in args.only]
+    width = max(48, *(len(c.title) for c in cases))
+    print(f"{'case':<{width}} {'predicted MiB':>14} {'measured MiB':>13} {'error':>8} {'estimate s':>11}")
     with tempfile.TemporaryDirectory(prefix="gpudl-memory-accuracy-") as tmp:
-        for i, case in enumerate(QUICK if args.quick else SUITE):
+        for i, case in enumerate(cases):
             row = run_case(case, Path(tmp) / str(i))
             rows.append(row)
-            print(f"{row['case']:<48} {row['predicted_bytes'] / MiB:>14.2f} {row['measured_bytes'] / MiB:>13.2f} "
+            print(f"{row['case']:<{width}} {row['predicted_bytes'] / MiB:>14.2f} {row['measured_bytes'] / MiB:>13.2f} "
                   f"{100 * row['error']:>+7.2f}% {row['estimate_s']:>11.1f}", flush=True)
     errors = [abs(r["error"]) for r in rows]
     if args.json:

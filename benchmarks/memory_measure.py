@@ -49,19 +49,21 @@ As a module (from another script in benchmarks/):
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
+import importlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+# Run as a script this folder is on sys.path already; loaded by file path (the tests) it is not: add it for memory_observers.
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+from memory_observers import C10AllocationLog, held_tensors, live_bytes, profiler_deltas, storage_bytes  # noqa: E402
 
 MiB = 2**20
 STRATEGIES = ("single", "ddp", "fsdp", "tp", "pp")
@@ -99,14 +101,14 @@ class Case:
                 f"train.precision={self.precision}",
                 f"train.activation_checkpointing={_toml(self.activation_checkpointing)}",
                 "train.compile=false", "train.attention=sdpa", "data.kind=synthetic"]
+        if self.strategy == "pp":  # defaults an override may change ("parallel.pp_schedule", "parallel.pp_microbatches")
+            sets += ["model.tie_embeddings=false", "parallel.pp_microbatches=2"]
         sets += [f"{key if '.' in key else 'model.' + key}={_toml(value)}" for key, value in self.overrides]
         w = self.world
         degrees = {"single": {}, "ddp": {"dp_replicate": w, "dp_shard": 1}, "fsdp": {"dp_replicate": 1, "dp_shard": w},
                    "tp": {"dp_replicate": 1, "dp_shard": 1, "tp": w},
                    "pp": {"dp_replicate": 1, "dp_shard": 1, "pp": w}}[self.strategy]
         sets += [f"parallel.{k}={v}" for k, v in degrees.items()]
-        if self.strategy == "pp":
-            sets += ["model.tie_embeddings=false", "parallel.pp_microbatches=2"]
         return sets
 
     def to_json(self) -> str:
@@ -129,189 +131,76 @@ def _toml(value: object) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Live bytes from memory events: pure bookkeeping, tested on its own.
-
-def live_bytes(deltas: Iterable[tuple[int, int]], start: int, end: int) -> dict:
-    """The running sum of signed allocation sizes `(when, nbytes)` over the window [start, end].
-
-    `when` is a time (the profiler's ns) or a position in a log; events with equal `when` keep
-    their given order. Returns, in bytes: baseline (live just before the window), peak (the most
-    live at any moment inside it, at least the baseline), end (live at its end) and step_peak
-    (peak - baseline).
-    """
-    live, baseline, peak, inside = 0, 0, 0, False
-    for when, n in sorted(deltas, key=lambda e: e[0]):
-        if when > end:
-            break
-        if when >= start and not inside:
-            baseline, peak, inside = live, live, True
-        live += n
-        if inside:
-            peak = max(peak, live)
-    if not inside:  # nothing was allocated or freed inside the window
-        baseline = peak = live
-    return {"baseline_bytes": baseline, "peak_bytes": peak, "end_bytes": live, "step_peak_bytes": peak - baseline}
-
-
-def profiler_deltas(prof) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]:
-    """The "[memory]" events of a finished `torch.profiler.profile` as (start_ns, nbytes), and each
-    record_function marker's (start_ns, end_ns)."""
-    deltas, marks = [], {}
-    for e in prof.profiler.kineto_results.events():
-        name = e.name()
-        if name == "[memory]":
-            deltas.append((e.start_ns(), e.nbytes()))
-        elif name.startswith("memory_measure/"):
-            s, t = e.start_ns(), e.start_ns() + e.duration_ns()
-            old = marks.get(name)
-            marks[name] = (s, t) if old is None else (min(old[0], s), max(old[1], t))
-    return deltas, marks
-
-
-def storage_bytes(tensors: Iterable) -> int:
-    """Bytes of the distinct CPU storages behind `tensors` (views count once; DTensors by their local part)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        t = getattr(t, "_local_tensor", t)  # a DTensor's own storage is its local shard's
-        if t is None or t.device.type != "cpu":
-            continue
-        s = t.untyped_storage()
-        if s.nbytes():
-            seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
-    return sum(seen.values())
-
-
-def held_tensors(model, optimizer) -> Iterator:
-    """What a job holds between steps: parameters, their gradients, buffers, optimizer state."""
-    for p in model.parameters():
-        yield p
-        yield p.grad
-    yield from model.buffers()
-    for state in optimizer.state.values():
-        yield from (v for v in state.values() if hasattr(v, "untyped_storage"))
-
-
-# ---------------------------------------------------------------------------------------------
-# The second source: c10's CPU allocator reporter, every thread (method="c10-log").
-
-_C10_EVENT = re.compile(rb"C10 (alloc|deleted) (\d+) bytes, total alloc (\d+) bytes|@@memory_measure (\S+)")
-
-
-class C10AllocationLog:
-    """Every CPU allocation and free, of any thread, with the process-wide live total, in a file.
-
-    While on, c10's `FLAGS_caffe2_report_cpu_memory_usage` is set (the CPU allocator then logs
-    "C10 alloc N bytes, total alloc M bytes." for each allocation and "C10 deleted ..." for each
-    free, whichever thread makes it), the c10 log level is INFO, and stderr (fd 2) goes to `path`.
-    `mark(name)` writes a marker line there. Allocations made before `start()` are not counted,
-    nor are their frees (c10 forgets a block it did not see allocated).
-    """
-
-    def __init__(self, path: Path):
-        import torch
-
-        self.path = Path(path)
-        try:
-            lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-            self._flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
-            self._level = ctypes.c_int.in_dll(lib, "FLAGS_caffe2_log_level")
-        except (OSError, ValueError) as e:
-            raise RuntimeError(f"this torch ({torch.__version__}) does not export c10's allocation-report flags ({e}): "
-                               f"use method='profiler' (exact for one process only)") from e
-        self._saved_fd = None
-
-    def start(self) -> None:
-        sys.stderr.flush()
-        self._saved_fd, self._saved_level = os.dup(2), self._level.value
-        self._file = open(self.path, "wb")
-        os.dup2(self._file.fileno(), 2)
-        self._level.value, self._flag.value = 0, True
-
-    def mark(self, name: str) -> None:
-        os.write(2, f"@@memory_measure {name}\n".encode())
-
-    def stop(self) -> None:
-        if self._saved_fd is None:
-            return
-        self._flag.value, self._level.value = False, self._saved_level
-        sys.stderr.flush()
-        os.dup2(self._saved_fd, 2)
-        os.close(self._saved_fd)
-        self._saved_fd = None
-        self._file.close()
-
-    def events(self) -> tuple[list[tuple[int, int]], dict[str, int]]:
-        """(position, signed bytes) of each allocation and free in the order logged, and each mark's position.
-
-        A size is the change of the logged live total, so the running sum is that total exactly
-        (two threads' lines can be logged in the other order than their totals were taken). The
-        total may include blocks c10 was already tracking before `start()` (only if something
-        else set the flag or profiled memory earlier): the first line's own size sets that offset.
-        """
-        deltas, marks, total, pos = [], {}, None, 0
-        with open(self.path, "rb") as f:
-            for line in f:
-                for m in _C10_EVENT.finditer(line):  # a marker can land inside another thread's line
-                    pos += 1
-                    if m.group(4):
-                        marks[m.group(4).decode()] = pos
-                        continue
-                    now = int(m.group(3))
-                    if total is None:
-                        total = now - (int(m.group(2)) if m.group(1) == b"alloc" else -int(m.group(2)))
-                    deltas.append((pos, now - total))
-                    total = now
-        if not deltas:
-            raise RuntimeError(f"c10 logged no allocation in {self.path}: this torch build does not log them; "
-                               f"use method='profiler' (exact for one process only)")
-        return deltas, marks
-
-    def window(self, begin: str, end: str) -> dict:
-        """live_bytes() between the marks `begin` and `end`."""
-        deltas, marks = self.events()
-        missing = [m for m in (begin, end) if m not in marks]
-        if missing:
-            raise RuntimeError(f"marks {missing} are not in {self.path}")
-        return live_bytes(deltas, marks[begin], marks[end])
-
-
-# ---------------------------------------------------------------------------------------------
 # One rank: the job built and stepped by gpudl's own code, measured.
+
+# What the two functions below import, in their order: imported before a rank's clock starts.
+RANK_MODULES = ("rich.console", "torch.profiler", "gpudl.config", "gpudl.data", "gpudl.distributed.preflight",
+                "gpudl.training.loop", "gpudl.training.precision", "gpudl.training.job", "gpudl.training.recipe",
+                "gpudl.training.session")
 
 
 def measure_this_process(case: Case, method: str = "c10-log", scratch: Path | None = None) -> dict:
     """Build `case`'s job in this process (a rank of a job when RANK/WORLD_SIZE are set) and measure it."""
     import torch
     import torch.distributed as dist
-    from rich.console import Console
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
-    from gpudl import models
+    for module in RANK_MODULES:  # before the clock starts: `seconds` leaves the imports out
+        importlib.import_module(module)
+    t0 = time.perf_counter()
+    cfg, session, precision, spec, data = _start_rank(case)
+    log = None
+    if method == "c10-log":
+        name = f"c10-rank{session.rank}.log" if scratch else f"gpudl-memory-c10-{os.getpid()}.log"
+        log = C10AllocationLog(Path(scratch or tempfile.gettempdir()) / name)
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if method == "profiler" else None
+    job, t_step = _build_job_and_record_two_steps(cfg, session, precision, spec, data, log, prof)
+    if prof:
+        deltas, marks = profiler_deltas(prof)
+        if STEP_MARK.format(2) not in marks:
+            raise RuntimeError(f"the profiler recorded no {STEP_MARK.format(2)!r} marker: cannot find step 2")
+        window = live_bytes(deltas, *marks[STEP_MARK.format(2)])
+        del prof, deltas
+    else:
+        window = log.window("step2-begin", "step2-end")
+        log.path.unlink()
+    held = storage_bytes(held_tensors(job.model, job.optimizer))
+    result = {"rank": session.rank, **window, "held_bytes": held, "step_seconds": t_step,
+              "seconds": time.perf_counter() - t0, "method": method, "threads": torch.get_num_threads()}
+    if session.world > 1:
+        dist.barrier()
+    return result
+
+
+def _start_rank(case: Case) -> tuple:
+    """What `recipe.train` has before it builds the job: (config, session, precision, model spec, data)."""
+    from rich.console import Console
+
     from gpudl.config import load_config
-    from gpudl.data import DeviceLoader
     from gpudl.distributed.preflight import check_job
-    from gpudl.training.loop import NoEvents, TrainState, train_loop
     from gpudl.training.precision import make_precision
-    from gpudl.training.recipe import model_and_data, recipe_job
+    from gpudl.training.job import model_and_data
     from gpudl.training.session import plan_parallel, start_session
 
-    t0 = time.perf_counter()
     cfg = load_config(None, case.config_sets())
     session = start_session(cfg.run, Console(quiet=True), cfg.parallel.timeout_s, init_method=os.environ.get(INIT_ENV))
     if session.world != case.world:
         raise RuntimeError(f"{case.title}: this process is in a job of {session.world} processes, not {case.world}")
     precision = make_precision(cfg.train.precision, session.device)
     check_job(cfg, session.world, precision.name)
-    meta = models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides))
-    plan_parallel(session, cfg.parallel, sum(p.numel() for p in meta.parameters()))  # as train() does
-    del meta
+    plan_parallel(session, cfg.parallel)  # every case sets its degrees: nothing is left to decide
     spec, data = model_and_data(cfg, *session.dp)
-    device = session.device.torch_device
-    log = None
-    if method == "c10-log":
-        name = f"c10-rank{session.rank}.log" if scratch else f"gpudl-memory-c10-{os.getpid()}.log"
-        log = C10AllocationLog(Path(scratch or tempfile.gettempdir()) / name)
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if method == "profiler" else None
+    return cfg, session, precision, spec, data
+
+
+def _build_job_and_record_two_steps(cfg, session, precision, spec, data, log, prof) -> tuple:
+    """(job, step 2's seconds): the job built and stepped twice with `log` and/or `prof` recording."""
+    import torch.distributed as dist
+    from torch.profiler import record_function
+
+    from gpudl.data import DeviceLoader
+    from gpudl.training.loop import NoEvents, TrainState, train_loop
+    from gpudl.training.recipe import recipe_job
 
     if session.world > 1:
         dist.barrier()  # no rank's build overlaps another's steps: each measures its own process anyway
@@ -325,7 +214,7 @@ def measure_this_process(case: Case, method: str = "c10-log", scratch: Path | No
         # a training run evaluates only every `eval_every` steps, so step 2 is measured without it.
         job.eval_batches = None
         # The loader a training run feeds the loop with: batch k+1 is made (and placed) when batch k is taken.
-        job.batches = DeviceLoader(data.train, device, num_workers=cfg.data.num_workers)
+        job.batches = DeviceLoader(data.train, session.device.torch_device, num_workers=cfg.data.num_workers)
         state = TrainState()
         for step in (1, 2):
             one = dataclasses.replace(cfg.train, max_steps=state.step + 1, eval_every=0)
@@ -342,21 +231,7 @@ def measure_this_process(case: Case, method: str = "c10-log", scratch: Path | No
             log.stop()
         if prof:
             prof.stop()
-    if prof:
-        deltas, marks = profiler_deltas(prof)
-        if STEP_MARK.format(2) not in marks:
-            raise RuntimeError(f"the profiler recorded no {STEP_MARK.format(2)!r} marker: cannot find step 2")
-        window = live_bytes(deltas, *marks[STEP_MARK.format(2)])
-        del prof, deltas
-    else:
-        window = log.window("step2-begin", "step2-end")
-        log.path.unlink()
-    held = storage_bytes(held_tensors(job.model, job.optimizer))
-    result = {"rank": session.rank, **window, "held_bytes": held, "step_seconds": t_step,
-              "seconds": time.perf_counter() - t0, "method": method, "threads": torch.get_num_threads()}
-    if session.world > 1:
-        dist.barrier()
-    return result
+    return job, t_step
 
 
 def _worker(case_json: str, out: str, method: str) -> None:

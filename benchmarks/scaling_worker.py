@@ -29,7 +29,7 @@ STEPS, BATCH = 5, 16
 def ddp_worker(rounds: int) -> None:
     session = start_session(RunConfig(), Console(quiet=True))
     spec = models.resolve("gpt-tiny")
-    plan_parallel(session, ParallelConfig(dp_replicate=2), n_params=0)
+    plan_parallel(session, ParallelConfig(dp_replicate=2))
     prec = make_precision("auto", session.device)
     dev = session.device.torch_device
     rank, world = session.dp

@@ -33,4 +33,26 @@ def fit(model, train_data, loss=None, **options):
     return _fit(model, train_data, loss, **options)
 
 
-__all__ = ["fit", "Config", "DeviceInfo", "UserError", "detect", "load_config", "train", "__version__"]
+def plan(cfg: Config | None = None, *, target: str | None = None, nproc_per_node: int = 1, nnodes: int = 1,
+         memory_limit: str | int | None = None, device: str = "auto"):
+    """Will this job fit, and what is the fastest way to make it fit? (`gpudl.memory.plan.plan`)
+
+    Traces one training step per candidate layout on fake tensors (nothing is allocated) for
+    this machine's device (`device`), a named GPU (`target`, e.g. "a100-40gb"), or any
+    `memory_limit` per device ("12GiB" or bytes). Returns the `Plan`: its `candidates` (each with
+    its `estimate.parts` and why it was rejected) and the `winner`, whose `sets` apply it.
+
+    >>> p = gpudl.plan(gpudl.load_config("gpt2-124m"), target="a100-40gb", nproc_per_node=8)  # doctest: +SKIP
+    >>> p.winner.sets  # doctest: +SKIP
+    """
+    from .config.sizes import parse_size
+    from .memory.plan import local_machine, plan as _plan, target_machine
+
+    cfg = cfg if cfg is not None else load_config(None)
+    limit = parse_size(memory_limit) if isinstance(memory_limit, str) else memory_limit
+    machine = target_machine(target, nproc_per_node, nnodes, limit) if target else \
+        local_machine(device, nproc_per_node, nnodes, limit)
+    return _plan(cfg, machine)
+
+
+__all__ = ["fit", "plan", "Config", "DeviceInfo", "UserError", "detect", "load_config", "train", "__version__"]

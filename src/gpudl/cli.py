@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in this folder from its newest checkpoint "
                                                        "('auto': run.name's folder if it has one)")
+    p.add_argument("--plan", choices=("off", "auto"), help="auto: choose the layout, micro-batch and activation "
+                                                          "checkpointing that fit in memory, fastest first "
+                                                          "(train.plan)")
+    p.add_argument("--memory-limit", metavar="SIZE", help="memory per device the run may use, e.g. 12GiB: enforced "
+                                                          "and planned for (train.memory_limit)")
     _launch_args(p)
 
     p = sub.add_parser("generate", parents=[common], help="sample text from a trained GPT")

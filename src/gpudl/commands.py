@@ -57,6 +57,10 @@ def train_config(args):
         sets.append(f"run.device={args.device}")
     if args.precision:
         sets.append(f"train.precision={args.precision}")
+    if getattr(args, "plan", None):
+        sets.append(f"train.plan={args.plan}")
+    if getattr(args, "memory_limit", None):
+        sets.append(f"train.memory_limit={args.memory_limit}")
     if args.resume and args.resume != "auto":
         if args.config:
             raise UserError("--resume continues a run with its own config.toml: drop --config "

@@ -189,3 +189,42 @@ def fit_hf_gpt2(batch_size: int, parallel: dict | None = None, data: str = "colu
                        quiet=True, parallel=ParallelConfig(**(parallel or {})))
     return {"losses": [r["loss"] for r in result.records if r["kind"] == "train"],
             "params": full_params(result.model), "mfu": result.metrics.mfu}
+
+
+class RunsOutOfMemory(torch.nn.Module):
+    """A user's module that runs out of memory, from its `at`-th training forward on, for micro-batches of
+    more than `rows` samples: in its forward, or in the backward of its output (`where`)."""
+
+    def __init__(self, net: torch.nn.Module, at: int, rows: int, where: str = "forward"):
+        super().__init__()
+        self.net, self.at, self.rows, self.where, self.calls = net, at, rows, where, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += torch.is_grad_enabled()
+        too_big = self.calls >= self.at and x.shape[0] > self.rows
+        if too_big and self.where == "forward":
+            raise torch.OutOfMemoryError(f"injected: a micro-batch of {x.shape[0]} rows does not fit")
+        y = self.net(x)
+        if too_big and y.requires_grad:
+            y.register_hook(lambda grad: _out_of_memory(x.shape[0]))
+        return y
+
+
+def _out_of_memory(rows: int) -> None:
+    raise torch.OutOfMemoryError(f"injected in backward: a micro-batch of {rows} rows does not fit")
+
+
+def fit_out_of_memory(batch_size: int, grad_accum: int = 1, at: int = 0, rows: int = 0, where: str = "forward",
+                      parallel: dict | None = None) -> dict:
+    """fit of the user model, running out of memory as `RunsOutOfMemory` says (at=0: never)."""
+    import torch.nn.functional as F
+
+    import gpudl
+    from gpudl.config import ParallelConfig
+
+    net, data = user_model_and_data()
+    model = RunsOutOfMemory(net, at, rows, where) if at else net
+    result = gpudl.fit(model, data, loss=F.cross_entropy, max_steps=8, batch_size=batch_size, grad_accum=grad_accum,
+                       lr=1e-2, precision="fp32", log_every=1, quiet=True, parallel=ParallelConfig(**(parallel or {})))
+    return {"losses": [r["loss"] for r in result.records if r["kind"] == "train"],
+            "ooms": [r for r in result.records if r["kind"] == "oom"]}

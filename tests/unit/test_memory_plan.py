@@ -16,7 +16,7 @@ import pytest
 from gpudl.cli import main
 from gpudl.config import load_config
 from gpudl.memory.estimate import estimate
-from gpudl.memory.plan import local_machine, parse_size, plan, target_machine
+from gpudl.memory.plan import layouts, local_machine, parse_size, plan, target_machine
 
 _PATH = Path(__file__).parents[2] / "benchmarks" / "memory_measure.py"
 _spec = importlib.util.spec_from_file_location("memory_measure", _PATH)
@@ -25,9 +25,16 @@ if not hasattr(mm, "measure"):
     _spec.loader.exec_module(mm)
 
 CASES = [mm.Case("gpt-tiny", 8), mm.Case("gpt-tiny", 32, "bf16-mixed", activation_checkpointing=True),
-         mm.Case("gpt-tiny", 16, strategy="ddp", world=2), mm.Case("gpt-tiny", 32, strategy="fsdp", world=2),
+         mm.Case("gpt-tiny", 8, strategy="ddp", world=2, overrides=(("train.grad_accum", 4),)), mm.Case("gpt-tiny", 32, strategy="fsdp", world=2),
          mm.Case("gpt-tiny", 32, strategy="tp", world=2), mm.Case("resnet18", 8, overrides=(("data.image_size", 32),)),
-         mm.Case("resnet18", 8, strategy="ddp", world=2, overrides=(("data.image_size", 32),))]
+         mm.Case("resnet18", 8, strategy="ddp", world=2, overrides=(("data.image_size", 32),)),
+         # pipelines (1F1B, GPipe, interleaved): each rank's stages traced alone, combined in the schedule's order
+         mm.Case("gpt-tiny", 16, strategy="pp", world=2),
+         mm.Case("gpt-tiny", 16, "bf16-mixed", True, strategy="pp", world=2,
+                 overrides=(("parallel.pp_schedule", "gpipe"),)),
+         mm.Case("gpt-tiny", 16, strategy="pp", world=2, overrides=(
+             ("parallel.pp_schedule", "interleaved-1f1b"), ("parallel.pp_stages_per_rank", 2),
+             ("parallel.pp_microbatches", 4)))]
 SMALL_GPT = ["model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.block_size=64", "train.batch_size=16",
              "train.precision=bf16-mixed", "train.attention=sdpa"]
 
@@ -74,12 +81,24 @@ def test_a_small_memory_limit_shrinks_the_micro_batch_and_keeps_the_global_batch
     assert tight.estimate.peak * 1.1 <= tight_limit
 
 
+def test_a_pipeline_is_planned_where_the_model_allows_it():
+    """(The micro-batches tried for it are those its schedule splits: `_largest_that_fits` filters them.)"""
+    machine = target_machine("a100-40gb", 2)
+    untied = load_config(None, [*SMALL_GPT, "model.tie_embeddings=false", "train.batch_size=12",
+                                "parallel.pp_microbatches=3"])
+    assert ("PP 2", {"parallel.tp": 1, "parallel.pp": 2, "parallel.dp_replicate": 1, "parallel.dp_shard": 1}) \
+        in layouts(untied, machine)
+    tied = load_config(None, [*SMALL_GPT, "train.batch_size=12", "parallel.pp_microbatches=3"])
+    assert not any(name.startswith("PP") for name, _ in layouts(tied, machine))
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--memory-limit", "12XB"], "is not a size: write it like 12GiB"),
     (["--target", "a100"], "unknown target GPU 'a100'"),
     (["--memory-limit", "1MiB"], "is less than the parameters alone need"),
     (["--nproc-per-node", "2", "--set", "parallel.tp=2", "--set", "model.n_head=3", "--set", "model.d_model=96"],
      "n_head=3"),
+    (["--nproc-per-node", "2", "--set", "parallel.pp=2"], "cannot share weights: set --set model.tie_embeddings=false"),
 ])
 def test_bad_plan_requests_are_one_line(capsys, argv, words):
     code = main(["plan", "--set", "model.n_layer=2", *argv])

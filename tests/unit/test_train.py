@@ -52,11 +52,24 @@ def gpudl_job(model, batches, steps, precision="fp32", **kw):
                precision=make_precision(precision, cpu_info()), batches=iter(batches), **kw)
 
 
+def test_a_step_drawn_whole_and_cut_equals_one_drawn_in_micro_batches():
+    """A recipe draws a step's rows at once and the loop cuts them: the same as drawing each micro-batch."""
+    steps, accum, rows = 4, 2, 4
+    micro = data(steps * accum, rows)
+    whole = [tuple(torch.cat(parts) for parts in zip(*micro[i:i + accum])) for i in range(0, len(micro), accum)]
+    a, b = make_net(), make_net()
+    cfg = TrainConfig(max_steps=steps, grad_accum=accum)
+    train_loop(gpudl_job(a, micro, steps, draws=accum), cfg, TrainState(), Quiet())
+    train_loop(gpudl_job(b, whole, steps, micro_batch=rows), cfg, TrainState(), Quiet())
+    for x, y in zip(a.parameters(), b.parameters()):
+        assert torch.equal(x, y)
+
+
 def test_loop_equals_a_plain_pytorch_loop_bit_for_bit():
     steps, accum = 6, 2
     batches = data(steps * accum, 4)
     ours, theirs = make_net(), make_net()
-    job = gpudl_job(ours, batches, steps)
+    job = gpudl_job(ours, batches, steps, draws=accum)
     train_loop(job, TrainConfig(max_steps=steps, grad_accum=accum, grad_clip=0.5), TrainState(), Quiet())
 
     opt = make_optimizer(theirs, OptimConfig(lr=1e-2, warmup_steps=2), "cpu")
@@ -78,7 +91,7 @@ def test_accumulating_two_halves_equals_one_full_batch():
     halves = [(x[i:i + 4], y[i:i + 4]) for x, y in full for i in (0, 4)]
     a, b = make_net(), make_net()
     train_loop(gpudl_job(a, full, 3), TrainConfig(max_steps=3), TrainState(), Quiet())
-    train_loop(gpudl_job(b, halves, 3), TrainConfig(max_steps=3, grad_accum=2), TrainState(), Quiet())
+    train_loop(gpudl_job(b, halves, 3, draws=2), TrainConfig(max_steps=3, grad_accum=2), TrainState(), Quiet())
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.allclose(p, q, atol=1e-6)
 

@@ -78,7 +78,8 @@ def _job(cell: Cell, total_steps: int) -> tuple[Job, DeviceLoader | None]:
     cfg = replace(cell.cfg, train=replace(cell.cfg.train, compile=cell.compile, max_steps=total_steps))
     model = models.build(cell.spec, info.torch_device, precision.param_dtype, seed=cfg.run.seed)
     batches, loader = _batches(cell, info.torch_device)
-    return build_job(model, cfg, Session(info), precision, Task(models.loss_for(cell.spec), batches)), loader
+    return build_job(model, cfg, Session(info), precision, Task(models.loss_for(cell.spec), batches,
+                                                                  draws=cfg.train.grad_accum)), loader
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from ..errors import UserError
 PREFIX = "step_"
 # What state.json's loop position holds: counters, each a non-negative integer.
 TRAIN_STATE_KEYS = ("step", "batches", "nonfinite_in_a_row", "nonfinite_total")
+OPTIONAL_TRAIN_STATE_KEYS = ("micro_batch",)  # later additions: a checkpoint written before them still loads
 
 
 def sha256(path: Path) -> str:
@@ -96,8 +97,9 @@ def check_state(ckpt: Path, state) -> dict:
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise damaged(ckpt, "state.json does not describe a model")
     train = state.get("train_state")
-    if not isinstance(train, dict) or set(train) != set(TRAIN_STATE_KEYS) or \
-            not all(type(train[k]) is int and train[k] >= 0 for k in TRAIN_STATE_KEYS):
+    if not isinstance(train, dict) or not set(TRAIN_STATE_KEYS) <= set(train) <= {*TRAIN_STATE_KEYS,
+                                                                                 *OPTIONAL_TRAIN_STATE_KEYS} or \
+            not all(type(v) is int and v >= 0 for v in train.values()):
         raise damaged(ckpt, f"state.json's train_state must hold the counters {', '.join(TRAIN_STATE_KEYS)} "
                             f"as integers >= 0, got {train!r}")
     for key in ("scheduler", "scaler"):

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
+from ..distributed.agree import broadcast_json
 from ..errors import UserError
 from .files import PREFIX, check_like, complete_checkpoints, manifest, verify
 from .reader import (METADATA_FILE, SafeLoadPlanner, SafeReader, UnsafeCheckpointFile, check_byte_entries,
@@ -187,9 +188,7 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 error = str(self._write_failed(step, e))
         if dist.is_initialized():
-            box = [error]
-            dist.broadcast_object_list(box, src=0)
-            error = box[0]
+            error = broadcast_json(error)
         if error:
             raise UserError(error)
 
@@ -222,7 +221,7 @@ class Checkpointer:
                 self._check_model(ckpt, box[0])
             except UserError as e:
                 box[1] = str(e)
-        dist.broadcast_object_list(box, src=0)
+        box = broadcast_json(box)
         if box[1]:
             raise UserError(box[1])
         return box[0]

@@ -61,6 +61,13 @@ class TrainConfig:
     eval_every: int = option(200, "evaluate every N steps (0: only at the end)", ge=0)
     eval_batches: int = option(10, "micro-batches per evaluation", ge=1)
     log_every: int = option(10, "log metrics every N steps", ge=1)
+    plan: Literal["off", "auto"] = option(
+        "off", "auto: before building anything, estimate the layouts, micro-batches and activation checkpointing "
+               "that fit in memory (memory_limit, else the device's) and train with the fastest; the global "
+               "batch (batch_size x grad_accum x data-parallel processes) is kept")
+    memory_limit: str = option(
+        "", "memory per device the run may use, e.g. 12GiB (empty: the device's): enforced (CUDA: the "
+            "allocator's share of the GPU; CPU: live tensor bytes) and planned for")
 
 
 @dataclass(kw_only=True)

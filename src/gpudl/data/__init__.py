@@ -42,21 +42,24 @@ class Data:
         return min(wanted, getattr(self.val, "batches_per_pass", wanted))
 
 
-def build_data(cfg: DataConfig, spec: ModelSpec, batch_size: int, seed: int, rank: int = 0, world: int = 1) -> Data:
-    """The data source for model `spec`, sharded for data-parallel `rank` of `world`."""
+def build_data(cfg: DataConfig, spec: ModelSpec, batch_size: int, seed: int, rank: int = 0, world: int = 1,
+               eval_batch_size: int | None = None) -> Data:
+    """The data source for model `spec`, sharded for data-parallel `rank` of `world`: training
+    batches of `batch_size` rows, validation batches of `eval_batch_size` (default: the same)."""
+    sizes = (batch_size, eval_batch_size or batch_size)
     kind = cfg.kind if cfg.kind != "auto" else KINDS_FOR[spec.family][0]
     if kind not in KINDS_FOR[spec.family]:
         raise UserError(f"data.kind={kind!r} cannot feed {spec.name}; use one of: {', '.join(KINDS_FOR[spec.family])}")
     if spec.family == "gpt":
-        return _token_data(cfg, kind, spec, batch_size, seed, rank, world)
-    return _image_data(cfg, kind, spec, batch_size, seed, rank, world)
+        return _token_data(cfg, kind, spec, sizes, seed, rank, world)
+    return _image_data(cfg, kind, spec, sizes, seed, rank, world)
 
 
-def _token_data(cfg, kind, spec, batch_size, seed, rank, world) -> Data:
-    block = spec.config.block_size
+def _token_data(cfg, kind, spec, sizes, seed, rank, world) -> Data:
+    block, (batch_size, eval_size) = spec.config.block_size, sizes
     if kind == "synthetic":
         v = spec.config.vocab_size
-        return Data(SyntheticTokens(v, block, batch_size, seed + rank), SyntheticTokens(v, block, batch_size, seed + 10**6),
+        return Data(SyntheticTokens(v, block, batch_size, seed + rank), SyntheticTokens(v, block, eval_size, seed + 10**6),
                     "tokens", block, f"random tokens (vocab {v})", vocab_size=v)
     if kind == "text":
         file, dtype = byte_corpus(cfg.path), "uint8"
@@ -71,7 +74,7 @@ def _token_data(cfg, kind, spec, batch_size, seed, rank, world) -> Data:
                         f"{spec.config.vocab_size}: set --set model.vocab_size={stream.vocab_size}")
     train = TextBatches(stream.part("train"), block, batch_size, seed, rank, world)
     val_part = stream.part("val")
-    val = TextBatches(val_part, block, batch_size, seed + 1, rank, world) if len(val_part) > block + 1 else None
+    val = TextBatches(val_part, block, eval_size, seed + 1, rank, world) if len(val_part) > block + 1 else None
     no_val = "" if val else NO_VAL if not cfg.val_fraction else \
         (f"data.val_fraction={cfg.val_fraction} leaves {len(val_part):,} tokens for validation, fewer than one "
          f"window of model.block_size+1={block + 1}: raise data.val_fraction")
@@ -79,19 +82,19 @@ def _token_data(cfg, kind, spec, batch_size, seed, rank, world) -> Data:
                 vocab_size=stream.vocab_size, no_val=no_val)
 
 
-def _image_data(cfg, kind, spec, batch_size, seed, rank, world) -> Data:
-    c = spec.config
+def _image_data(cfg, kind, spec, sizes, seed, rank, world) -> Data:
+    c, (batch_size, eval_size) = spec.config, sizes
     if kind == "synthetic":
-        def make(s):
-            return SyntheticImages(c.in_channels, cfg.image_size, c.num_classes, batch_size, s)
-        return Data(make(seed + rank), make(seed + 10**6), "images", 1,
+        def make(s, rows):
+            return SyntheticImages(c.in_channels, cfg.image_size, c.num_classes, rows, s)
+        return Data(make(seed + rank, batch_size), make(seed + 10**6, eval_size), "images", 1,
                     f"random {c.in_channels}x{cfg.image_size}x{cfg.image_size} images, {c.num_classes} classes")
     images = load_images(cfg.path, cfg.image_size, seed)
     train, val = images.split(cfg.val_fraction, seed)
     what = cfg.path or "generated shapes"
     fit = {"num_classes": len(images.classes), "in_channels": images.images.shape[1]}
     batches = ImageBatches(train, batch_size, seed, rank, world)
-    val_set = ImageEvalBatches(val, batch_size, batches.mean, batches.std, rank, world) if len(val.labels) else None
+    val_set = ImageEvalBatches(val, eval_size, batches.mean, batches.std, rank, world) if len(val.labels) else None
     return Data(batches, val_set, "images", 1, f"{what}: {len(images.labels):,} images, {len(images.classes)} classes",
                 model_fit=fit, no_val="" if val_set else NO_VAL)
 

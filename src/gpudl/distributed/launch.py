@@ -149,7 +149,8 @@ def _worker_argv(args, run_dir: Path) -> list[str]:
             ["--set", f"run.dir={run_dir.parent}", "--set", f"run.name={run_dir.name}", "--resume", "auto"]
     for item in args.sets:
         argv += ["--set", item]
-    for flag, value in (("--device", args.device), ("--precision", args.precision)):
+    for flag, value in (("--device", args.device), ("--precision", args.precision), ("--plan", args.plan),
+                        ("--memory-limit", args.memory_limit)):
         if value:
             argv += [flag, value]
     return argv + where

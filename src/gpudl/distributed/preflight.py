@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .. import models
 from ..config import Config
+from ..config.sizes import parse_size
 from ..errors import UserError
 from .mesh import ParallelDims
 
@@ -31,5 +32,7 @@ def check_job(cfg: Config, world: int, precision_name: str) -> None:
 
             check_pipeline(meta, p, cfg.train.batch_size, precision_name)
     ParallelDims.resolve(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, world=world)
+    if cfg.train.memory_limit:
+        parse_size(cfg.train.memory_limit, "train.memory_limit")
     if cfg.data.path and cfg.data.path != "sklearn:digits" and not Path(cfg.data.path).expanduser().exists():
         raise UserError(f"data.path {cfg.data.path!r} does not exist on this machine: point it at your data")

@@ -4,8 +4,10 @@ One process, FSDP2 (and HSDP) and tensor parallelism are traced (`trace.py`): th
 job in this process, the others as rank 0 of a job of `world` fake processes, in a worker
 process whose default group is torch's fake process group (so this process's own group, if it
 has one, is left alone). DDP cannot be traced so: its rank is the one-process job with DDP's
-gradient buckets modelled in the trace (`trace._ddp_buckets`). Pipeline stages are not
-estimated yet (the plan says so).
+gradient buckets modelled in the trace (`trace._DDPBuckets`). Nor can a pipeline schedule (its
+stages exchange shapes): each rank's stages are traced on their own, in this process, and the
+schedule's order combines them by formula (`pipeline.py`); a pipeline job's estimate is its rank
+with the largest peak. Pipelines with data or tensor parallelism beside them are not estimated yet.
 """
 
 from __future__ import annotations
@@ -79,8 +81,7 @@ class FakeJobs:
     def estimate(self, cfg: Config) -> Estimate:
         kind = strategy_of(cfg, self.world)
         if kind == "PP":
-            raise UserError(f"parallel.pp={cfg.parallel.pp}: the memory of pipeline stages is not estimated yet; "
-                            f"plan without pipeline parallelism")
+            return Estimate(kind, self.world, _pipeline(cfg, self.world))
         if kind in ("one process", "DDP"):
             return Estimate(kind, self.world, _one_process(cfg, ddp=kind == "DDP"))
         return Estimate(kind, self.world, self._traced(cfg))
@@ -105,7 +106,7 @@ def _start_worker(world: int) -> subprocess.Popen:
 
 
 def _one_process(cfg: Config, ddp: bool) -> dict[str, int]:
-    from ..training.recipe import model_and_data
+    from ..training.job import model_and_data
     from ..training.session import Session
     from .trace import trace_step
 
@@ -113,6 +114,19 @@ def _one_process(cfg: Config, ddp: bool) -> dict[str, int]:
                                                                   pp=1))
     _, data = model_and_data(single)
     return trace_step(single, Session(_device(cfg)), data.train.batch(0), ddp=ddp)
+
+
+def _pipeline(cfg: Config, world: int) -> dict[str, int]:
+    """The pipeline rank with the largest peak (`pipeline.py`) of a pipeline-only job; every rank reads the batch."""
+    from ..training.job import model_and_data
+    from .pipeline import rank_peaks
+
+    d = dims_of(cfg, world)
+    if d.pp != world:
+        raise UserError(f"parallel.pp={d.pp} with data or tensor parallelism beside it (dp={d.dp}, tp={d.tp}): the "
+                        f"memory of such a job is not estimated yet; plan it with --set parallel.pp={world} or pp=1")
+    _, data = model_and_data(cfg)
+    return max(rank_peaks(cfg, data.train.batch(0)), key=lambda parts: sum(parts.values()))
 
 
 def _device(cfg: Config) -> DeviceInfo:

@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass, field
 
 from .. import models
 from ..config import Config, with_sets
+from ..config.sizes import parse_size
 from ..device import DeviceInfo, detect
 from ..device.specs import TARGETS, datasheet_tflops
 from ..errors import UserError, unknown_name
 from .estimate import Estimate, FakeJobs
+from .pipeline import pipeline_possible, pipeline_seconds
 
 MARGIN = 0.10                 # of the predicted peak: allocator fragmentation, and what a trace does not see
 RUNTIME_BYTES = 2**30         # per accelerator process, outside torch's tensors: context, NCCL and cuBLAS buffers
@@ -60,16 +61,9 @@ class Machine:
         """Bytes a rank's tensors may hold: the limit, else the memory less what the runtime keeps."""
         if self.limit is not None:
             return self.limit
-        return int(self.memory * 0.9) if self.device_type == "cpu" else self.memory - RUNTIME_BYTES
-
-
-def parse_size(text: str) -> int:
-    """"12GiB", "12 GB", "500MiB", "1.5TiB" or a number of bytes -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
-    if not m or float(m.group(1)) <= 0:
-        raise UserError(f"memory size {text!r} is not a size: write it like 12GiB, 40GB or 500MiB")
-    power = "KMGT".find(m.group(2).upper()) + 1 if m.group(2) else 0
-    return int(float(m.group(1)) * (1024 if m.group(3) or not m.group(2) else 1000) ** power)
+        if self.device_type == "cpu":  # the processes of a node share its memory; the OS and the rest keep a tenth
+            return int(self.memory * 0.9) // self.nproc
+        return self.memory - RUNTIME_BYTES
 
 
 def target_machine(target: str, nproc: int, nnodes: int = 1, limit: int | None = None) -> Machine:
@@ -81,13 +75,15 @@ def target_machine(target: str, nproc: int, nnodes: int = 1, limit: int | None =
                    nproc, nnodes, limit)
 
 
-def local_machine(device: str = "auto", nproc: int = 1, nnodes: int = 1, limit: int | None = None) -> Machine:
+def local_machine(device: str = "auto", nproc: int = 1, nnodes: int = 1, limit: int | None = None,
+                  speeds: bool = True) -> Machine:
+    """This machine's device (`speeds=False`: its memory only, without measuring peak FLOP/s)."""
     from ..device.peak import measured_peak_flops
 
     info: DeviceInfo = detect(device)
     if not info.memory_bytes and limit is None:
         raise UserError(f"{info.label} does not report its memory: give --memory-limit")
-    peaks = {p: measured_peak_flops(info, p) for p in info.precisions() if p != "tf32"}
+    peaks = {p: measured_peak_flops(info, p) for p in info.precisions() if p != "tf32"} if speeds else {}
     link = CPU_LINK_B_S if info.type == "cpu" else 25e9  # a link's speed is not reported: PCIe-class unless told
     return Machine(f"{nproc * nnodes} x {info.label}", info.type, info.memory_bytes or limit, peaks, link, nproc,
                    nnodes, limit)
@@ -124,6 +120,7 @@ class Candidate:
 class Plan:
     machine: Machine
     global_batch: int
+    cfg: Config                             # the job as planned (precision and kernel as they will be there)
     candidates: list[Candidate] = field(default_factory=list)
 
     @property
@@ -137,7 +134,7 @@ def plan(cfg: Config, machine: Machine) -> Plan:
     micro-batch of each that fits, and their step times."""
     cfg = _for_machine(cfg, machine)
     _check_request(cfg, machine)
-    result = Plan(machine, global_batch(cfg, machine.world))
+    result = Plan(machine, global_batch(cfg, machine.world), cfg)
     flops = _flops_per_sample(cfg)
     with FakeJobs(machine.world) as traces:
         for strategy, parallel in _fixed_layout(cfg, machine) or layouts(cfg, machine):
@@ -223,6 +220,11 @@ def layouts(cfg: Config, machine: Machine) -> list[tuple[str, dict[str, object]]
             rest = w // t
             out.append((f"TP {t}" + (f" x FSDP {rest}" if rest > 1 else ""),
                         {"parallel.pp": 1, "parallel.tp": t, "parallel.dp_replicate": 1, "parallel.dp_shard": rest}))
+    # A pipeline over every process (with data parallelism beside it: not estimated yet); the micro-batches
+    # `_largest_that_fits` tries are those its schedule can split.
+    if pipeline_possible(cfg, w):
+        out.append((f"PP {w}", {"parallel.tp": 1, "parallel.pp": w, "parallel.dp_replicate": 1,
+                                "parallel.dp_shard": 1}))
     return out
 
 
@@ -250,6 +252,12 @@ def _largest_that_fits(cfg: Config, machine: Machine, traces: FakeJobs, strategy
         return Candidate(strategy, parallel, ac, 0, 0, rejected=f"the global batch {batch} does not split over "
                                                                   f"{dp} data-parallel processes")
     sizes = [batch // dp // 2**k for k in range(int(math.log2(batch // dp)) + 1) if (batch // dp) % 2**k == 0]
+    pp = int(parallel.get("parallel.pp", 1))
+    if pp > 1:
+        sizes = [b for b in sizes if pipeline_possible(_apply(cfg, parallel), pp, b)]
+        if not sizes:
+            return Candidate(strategy, parallel, ac, 0, 0, rejected=f"no micro-batch of the global batch {batch} "
+                                                                      f"splits into the schedule's micro-batches")
     tried: dict[int, Candidate] = {}
 
     def attempt(i: int) -> Candidate:
@@ -279,7 +287,7 @@ def _largest_that_fits(cfg: Config, machine: Machine, traces: FakeJobs, strategy
 
 def _flops_per_sample(cfg: Config) -> int:
     from ..observe.flops import count_training_flops, meta_batch
-    from ..training.recipe import model_and_data
+    from ..training.job import model_and_data
 
     spec, data = model_and_data(cfg)
     one = meta_batch(tuple(t[:1] for t in data.train.batch(0)))
@@ -294,7 +302,9 @@ def step_seconds(c: Candidate, cfg: Config, machine: Machine, flops_per_sample: 
     compute = flops_per_sample * batch * (4 / 3 if c.activation_checkpointing else 1) / (
         machine.world * peak * ASSUMED_MFU)
     overhead = c.grad_accum * MICRO_STEP_OVERHEAD_S if machine.device_type != "cpu" else 0.0
-    return compute + overhead + _communication_seconds(c, cfg, machine)
+    link = machine.link_b_s if machine.nnodes == 1 else min(machine.link_b_s, NODE_LINK_B_S)
+    bubble_and_sends = pipeline_seconds(_apply(cfg, c.settings), compute, link)
+    return compute + overhead + _communication_seconds(c, cfg, machine) + bubble_and_sends
 
 
 def _communication_seconds(c: Candidate, cfg: Config, machine: Machine) -> float:

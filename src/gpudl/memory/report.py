@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from .oom import explain
 from .plan import MARGIN, Candidate, Plan
 
 GiB = 2**30
@@ -42,8 +43,10 @@ def why(p: Plan) -> str:
     """One line: the winner and the apply command, or why nothing fits."""
     w = p.winner
     if w is None:
-        return (f"Nothing fits in {p.machine.usable / GiB:.1f} GiB per device: the smallest need is "
-                f"{min(c.estimate.peak for c in p.candidates if c.estimate) * (1 + MARGIN) / GiB:.2f} GiB")
+        needs = [c.estimate.peak for c in p.candidates if c.estimate]
+        least = f": the smallest need is {min(needs) * (1 + MARGIN) / GiB:.2f} GiB with the margin" if needs else ""
+        return (f"Nothing fits in {p.machine.usable / GiB:.2f} GiB per device{least}. As asked, "
+                f"{explain(p.cfg, p.machine.world, p.machine.usable)}")
     others = [c for c in p.candidates if c.fits and c is not w]
     beaten = f", {min(c.step_s for c in others) / w.step_s:.3g}x as fast as the next that fits" if others else ""
     return (f"Chosen: {w.describe()}, predicted {w.estimate.peak / GiB:.2f} GiB per device and {w.step_s:.3g} s "

@@ -10,12 +10,14 @@ peak.
 A job of several processes is traced as its rank 0, in a process whose default group is torch's
 fake process group (collectives return at once): sharding, tensor parallelism and their
 communication buffers are gpudl's real code paths. DDP cannot be traced so (its C++ reducer reads
-tensor data) and neither can a pipeline schedule (its stages exchange shapes): `estimate.py`
-derives them from a one-process trace by formula.
+tensor data) and neither can a pipeline schedule (its stages exchange shapes): DDP is the
+one-process trace with its buckets modelled, a pipeline its ranks' stages traced on their own and
+combined by formula (`pipeline.py`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 from collections.abc import Iterator
@@ -28,9 +30,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from .. import models
 from ..config import Config
-from ..data.loader import map_tensors
+from ..data.loader import map_tensors, tensors_in
 from ..training.job import Task, build_job
 from ..training.loop import Job, clip_gradients, forward_backward
+from ..training.micro import micro_batches
 from ..training.precision import make_precision
 from ..training.session import Session
 
@@ -49,45 +52,76 @@ def trace_step(cfg: Config, session: Session, example: tuple[torch.Tensor, ...],
 
     `example` is one real batch of the data (its shapes and dtypes are all that is used);
     `cfg.train.batch_size` is the micro-batch traced. `ddp`: the one-process job with DDP's
-    gradient buckets in it (`_ddp_buckets`), as one rank of a DDP job holds them.
+    gradient buckets in it (`_DDPBuckets`), as one rank of a DDP job holds them.
     """
     spec = models.resolve(cfg.model.name, cfg.model.overrides)
+    return trace_model(_meta_model(spec), models.loss_for(spec), cfg, session, example, ddp)
+
+
+def trace_module(module: torch.nn.Module, loss_fn, cfg: Config, session: Session, example,
+                 ddp: bool = False) -> dict[str, int]:
+    """`trace_step` of a user's own module (`fit`) and its loss; the module itself is left untouched:
+    the trace runs on a copy whose parameters and buffers are made on the meta device (no values copied)."""
+    meta = {id(t): torch.nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+            if isinstance(t, torch.nn.Parameter) else torch.empty_like(t, device="meta")
+            for t in (*module.parameters(), *module.buffers())}
+    return trace_model(copy.deepcopy(module, meta), loss_fn, cfg, session, example, ddp)
+
+
+def trace_model(meta: torch.nn.Module, loss_fn, cfg: Config, session: Session, example, ddp: bool) -> dict[str, int]:
+    """The trace itself, of `meta` (a model on the meta device, made fake here in place)."""
     # Nothing runs, so the traced device may take any precision the job asks for (bf16 on a CPU without it).
     precision = make_precision(cfg.train.precision, dataclasses.replace(session.device, bf16=True, fp16=True))
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False, grad_accum=1))
-    real = map_tensors(lambda t: _resized(t, cfg.train.batch_size), example)
-    meta = _meta_model(spec)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
+    # The loader draws a step's rows at once and the loop cuts them into micro-batches (views).
+    real = map_tensors(lambda t: _resized(t, cfg.train.batch_size * cfg.train.grad_accum), example)
     with FakeTensorMode() as fake:
         model = _fake_model(meta, precision.param_dtype, session.device.torch_device)
         batch = map_tensors(fake.from_tensor, real)
-        ahead = map_tensors(torch.empty_like, batch)  # the loader copies the next batch while a step runs
-        job = build_job(model, cfg, session, precision, Task(models.loss_for(spec), _repeat(batch)))
-        _create_optimizer_state(job)
-        buckets = _ddp_buckets(job.model) if ddp else None
-        tracker = _tracker(job, [*batch, *ahead], buckets)
+        ahead = map_tensors(torch.empty_like, batch)  # the loader copies the next step's batch while a step runs
+        job = build_job(model, cfg, session, precision, Task(loss_fn, _repeat(batch), micro_batch=cfg.train.batch_size))
+        _create_optimizer_state(job.optimizer)
+        if ddp:
+            buckets = _DDPBuckets(job.model)
+            job.grad_sync = buckets.grad_sync
+        held = [*tensors_in(batch), *tensors_in(ahead)]
+        tracker = _tracker(job, held, buckets.flat if ddp else None)
         with tracker, _untracked_propagation(tracker):
-            _step(job, cfg)
+            _step(job, cfg, batch, tracker)
     parts = _breakdown(tracker.get_tracker_snapshot("peak"))
-    inputs = sum(t.untyped_storage().nbytes() for t in (*batch, *ahead))
+    inputs = sum(t.untyped_storage().nbytes() for t in held)
     # A one-process tracker files everything registered beside model and optimizer under one name
     return {**parts, "inputs": inputs, "communication": parts["communication"] + parts["inputs"] - inputs}
 
 
-def _ddp_buckets(model: torch.nn.Module) -> torch.Tensor:
+class _DDPBuckets:
     """What DDP (gradient_as_bucket_view, as gpudl wraps it) does with gradients, for a trace that cannot
     run DDP itself (its C++ reducer reads tensor data): one flat buffer of every gradient, allocated
-    with the model; each gradient, once accumulated, copied into its view there and then freed."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-    offsets = itertools.accumulate((p.numel() for p in params), initial=0)
-    views = {p: flat[start:start + p.numel()].view_as(p) for p, start in zip(params, offsets)}
+    with the model; in a backward that synchronises, each gradient, once accumulated, is copied into
+    its view there and then freed. Under `no_sync` (the micro-batches before an accumulating step's
+    last) gradients stay tensors of their own, beside the buffer."""
 
-    def ready(p: torch.Tensor) -> None:
-        views[p].copy_(p.grad)
-        p.grad = views[p]
-    for p in params:
-        p.register_post_accumulate_grad_hook(ready)
-    return flat
+    def __init__(self, model: torch.nn.Module):
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        offsets = itertools.accumulate((p.numel() for p in params), initial=0)
+        self.views = {p: self.flat[start:start + p.numel()].view_as(p) for p, start in zip(params, offsets)}
+        self.syncing = True
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def _ready(self, p: torch.Tensor) -> None:
+        if self.syncing:
+            self.views[p].copy_(p.grad)
+            p.grad = self.views[p]
+
+    @contextmanager
+    def grad_sync(self, last: bool):
+        self.syncing = last
+        try:
+            yield
+        finally:
+            self.syncing = True
 
 
 def _meta_model(spec: models.ModelSpec) -> torch.nn.Module:
@@ -120,8 +154,8 @@ def _fake_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.device
 
 
 def _resized(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """`t` with `rows` rows (its values do not matter: only shapes reach the fake tensors)."""
-    return t[:1].expand(rows, *t.shape[1:]).contiguous()
+    """`t` with `rows` rows (its values do not matter: only shapes reach the fake tensors); a scalar stays."""
+    return t[:1].expand(rows, *t.shape[1:]).contiguous() if t.dim() else t
 
 
 def _repeat(batch) -> Iterator:
@@ -157,6 +191,15 @@ class _GlobalPeak:
                 snap[temp] += sign * nbytes
             if sign == 1:
                 self._update_peak_stats(None)
+
+    def current(self) -> dict[str, int]:
+        """Bytes by category live now."""
+        return _breakdown(self.get_tracker_snapshot("current"))
+
+    def restart_peak(self) -> None:
+        """Forget the peak so far, so that the next one read is of what runs from here (one phase of a step)."""
+        self._peak_mem = {device: snap["Total"] for device, snap in self._curr_mem_snap.items()}
+        self._peak_mem_snap = {device: dict(snap) for device, snap in self._curr_mem_snap.items()}
 
     def _update_peak_stats(self, peak_state) -> None:
         for device, snap in self._curr_mem_snap.items():
@@ -221,19 +264,27 @@ def _tracker(job: Job, inputs: list[torch.Tensor], buckets: torch.Tensor | None)
     return tracker
 
 
-def _create_optimizer_state(job: Job) -> None:
+def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """The state the first step leaves (AdamW's moments), made by an update with zero gradients: the
     traced step is then a steady one, at the cost of one optimizer update instead of a whole step."""
-    params = [p for group in job.optimizer.param_groups for p in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     for p in params:
         p.grad = torch.zeros_like(p)
-    job.optimizer.step()
-    job.optimizer.zero_grad(set_to_none=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
-def _step(job: Job, cfg: Config) -> None:
-    """The loop's step without its finiteness check (a fake tensor has no value to test)."""
-    forward_backward(job, cfg.train.grad_accum)
+def _step(job: Job, cfg: Config, batch, tracker: MemTracker) -> None:
+    """The loop's step without its finiteness check (a fake tensor has no value to test). Of an
+    accumulating step, two micro-batches are enough: from the second on, each runs with the
+    gradients of those before it held, and the last one synchronises them. (The trackers take a
+    second forward of the model for a new step unless their per-module figures are reset.)"""
+    micros = micro_batches([batch], cfg.train.batch_size)
+    if len(micros) > 1:
+        with job.grad_sync(False):
+            job.micro_step(job, micros[0], 1 / len(micros))
+        tracker.reset_mod_stats()
+    forward_backward(job, micros[-1:])
     clip_gradients(job, cfg.train.grad_clip)
     job.precision.step(job.optimizer, True)
     job.optimizer.zero_grad(set_to_none=True)

@@ -18,7 +18,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from ..config import config_from_dict
 from ..device import cpu_info
 from ..distributed.env import DistEnv
-from ..training.recipe import model_and_data
+from ..training.job import model_and_data
 from ..training.session import Session, plan_parallel
 from .trace import trace_step
 
@@ -26,7 +26,7 @@ from .trace import trace_step
 def trace_as_rank_zero(text: str, world: int) -> dict[str, int]:
     cfg = config_from_dict(tomllib.loads(text))
     session = Session(cpu_info(), env=DistEnv(0, world, 0, world))
-    plan_parallel(session, cfg.parallel, n_params=0)
+    plan_parallel(session, cfg.parallel)
     _, data = model_and_data(cfg, *session.dp)
     return trace_step(cfg, session, data.train.batch(0))
 

@@ -28,9 +28,14 @@ from ..data import DeviceLoader
 from ..data.datasets import DatasetBatches, as_batch_source
 from ..data.loader import Batch, map_tensors, tensors_in
 from ..errors import UserError
+from ..device.peak import measured_peak_flops, peak_key
+from ..distributed.parallelize import compile_wanted
+from ..memory.auto import plan_module, state_needs_sharding
+from ..memory.limit import enforce_memory_limit
 from ..observe.flops import count_training_flops
 from .job import Task, build_job
 from .loop import TrainState
+from .micro import micro_batches, rows
 from .precision import make_precision
 from .run_dir import prepare_run_dir
 from .runner import Execution, Workload, execute
@@ -203,13 +208,18 @@ def _workload(model: nn.Module, loss_fn, first: Batch, batch_size: int, console:
 
 
 def _data(train_data: Any, cfg: Config, session: Session, console: Console):
-    """(batch source, its first batch on the device, the config with the batch size the data has)."""
+    """(batch source, a first micro-batch on the device, the config with the batch size the data has,
+    the Task fields that say how a step draws its data). A dataset gives each step's rows in one
+    batch, cut into micro-batches by the loop; an iterable's batches are drawn `grad_accum` a step."""
     train = cfg.train
-    source = as_batch_source(train_data, train.batch_size, cfg.run.seed, *session.dp)
+    source = as_batch_source(train_data, train.batch_size * train.grad_accum, cfg.run.seed, *session.dp)
+    whole = isinstance(source, DatasetBatches)
     first = source.batch(0)  # the loader asks for it again: an iterable's source keeps the batch it read last
+    first = micro_batches([first], train.batch_size)[0] if whole else first
     n = _samples_per_batch(train_data, source, first, train.batch_size, console)
     on_device = map_tensors(lambda t: t.to(session.device.torch_device), first)
-    return source, on_device, dataclasses.replace(cfg, train=dataclasses.replace(train, batch_size=n))
+    drawing = {"draws": 1, "micro_batch": n} if whole else {"draws": train.grad_accum, "micro_batch": 0}
+    return source, on_device, dataclasses.replace(cfg, train=dataclasses.replace(train, batch_size=n)), drawing
 
 
 def fit(model: nn.Module, train_data, loss: Callable | None = None, *, max_steps: int = 1000,
@@ -217,7 +227,8 @@ def fit(model: nn.Module, train_data, loss: Callable | None = None, *, max_steps
         grad_accum: int = 1, grad_clip: float = 1.0, device: str = "auto", precision: str = "auto",
         compile: bool | str = "auto", activation_checkpointing: bool = False, log_every: int = 10,
         seed: int = 0, run_dir: str | Path | None = None, progress: bool = True, quiet: bool = False,
-        parallel: ParallelConfig | None = None) -> FitResult:
+        parallel: ParallelConfig | None = None, memory_limit: str | int | None = None,
+        plan: str = "off") -> FitResult:
     """Train `model` on `train_data` and return it with its metrics.
 
     `train_data`: a map-style Dataset, tensors (a tuple (inputs..., targets), or a dict of
@@ -234,12 +245,18 @@ def fit(model: nn.Module, train_data, loss: Callable | None = None, *, max_steps
     an empty one. Started by torchrun (or `gpudl train --nproc-per-node`), every process runs
     `fit` on the same model and data: each trains on its own share of every batch (`batch_size`
     per process; an iterable's batches are dealt out in turn), with DDP by default or as
-    `parallel` says.
+    `parallel` says. `memory_limit` ("12GiB" or bytes, per device) is enforced; a step that runs
+    out of memory, under it or the device's own, is run again with half the micro-batch.
+    `plan="auto"` traces the model on fake tensors first (nothing allocated) and trains with the
+    largest micro-batch that fits, with activation checkpointing only if nothing fits without;
+    the samples per step are kept (one process or DDP).
     """
+    limit_text = f"{memory_limit}B" if isinstance(memory_limit, int) and not isinstance(memory_limit, bool) \
+        else memory_limit or ""
     cfg = _config(parallel, train={"max_steps": max_steps, "batch_size": batch_size, "grad_accum": grad_accum,
                                    "precision": precision, "compile": compile, "grad_clip": grad_clip,
                                    "activation_checkpointing": activation_checkpointing, "log_every": log_every,
-                                   "eval_every": 0},
+                                   "eval_every": 0, "memory_limit": limit_text, "plan": plan},
                   optim={"lr": lr, "weight_decay": weight_decay, "warmup_steps": warmup_steps, "min_lr_ratio": 0.1},
                   run={"device": device, "seed": seed}, log={"progress": progress})
     _check_trainable(model)
@@ -247,17 +264,38 @@ def fit(model: nn.Module, train_data, loss: Callable | None = None, *, max_steps
     session = start_session(cfg.run, console)
     console = console if session.is_writer else Console(quiet=True)
     out_dir = _new_run_dir(run_dir, session)
-    plan_parallel(session, cfg.parallel, sum(p.numel() for p in model.parameters()))
     prec = make_precision(cfg.train.precision, session.device)
-    torch.manual_seed(seed)
-    source, first, cfg = _data(train_data, cfg, session, console)
+    n_params = sum(p.numel() for p in model.parameters())
+    plan_parallel(session, cfg.parallel, state_needs_sharding(n_params, prec.param_dtype.itemsize, session, cfg))
+    measured_peak_flops(session.device, peak_key(prec.name))  # for MFU; measured now, not under a limit
+    compiled = compile_wanted(cfg.train.compile, session.device.type)
+    with enforce_memory_limit(session.device, cfg.train.memory_limit, compiled) as limit:
+        return _fit(model, train_data, loss, cfg, session, prec, out_dir, console, limit)
+
+
+def _planned(model, loss_fn, first, cfg: Config, session: Session, console, drawing: dict) -> tuple[Config, dict]:
+    """fit(plan="auto"): the micro-batch and checkpointing the planner chose, the samples per step kept."""
+    micro, checkpointing = plan_module(model, loss_fn, first, cfg, session, console)
+    step_rows = cfg.train.batch_size * cfg.train.grad_accum
+    train = dataclasses.replace(cfg.train, batch_size=micro, grad_accum=step_rows // micro,
+                                activation_checkpointing=checkpointing)
+    return dataclasses.replace(cfg, train=train), {**drawing, "micro_batch": micro}
+
+
+def _fit(model, train_data, loss, cfg: Config, session: Session, prec, out_dir, console, limit) -> FitResult:
+    torch.manual_seed(cfg.run.seed)
+    source, first, cfg, drawing = _data(train_data, cfg, session, console)
     loss_fn = _loss_fn(loss, model)
+    if cfg.train.plan == "auto":
+        cfg, drawing = _planned(model, loss_fn, first, cfg, session, console, drawing)
     model = model.to(session.device.torch_device, prec.param_dtype)
-    work = _workload(model, loss_fn, first, cfg.train.batch_size, console)
+    if limit is not None:
+        limit.hold(model)  # made before the limit: it counts all the same
+    work = _workload(model, loss_fn, first, rows(first), console)
     model.zero_grad(set_to_none=True)  # the first step's gradients are its own batch's alone
     _same_weights_everywhere(model, session)
     loader = DeviceLoader(source, session.device.torch_device)
-    job = build_job(model, cfg, session, prec, Task(loss_fn, loader))
+    job = build_job(model, cfg, session, prec, Task(loss_fn, loader, **drawing))
     if out_dir is not None:
         prepare_run_dir(out_dir, session)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=prec.name))

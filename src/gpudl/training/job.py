@@ -18,21 +18,41 @@ schedule, so that whatever measures or plans a job measures the job that trains.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from .. import models
 from ..config import Config
+from ..data import Data, build_data
 from ..data.loader import Batch
+from ..errors import UserError
 from ..device.kernels import attention_kernel
+from ..distributed.agree import any_rank
 from ..distributed.parallelize import parallelize
 from ..models.attention import use_attention
 from .loop import Job, standard_micro_step
 from .optim import make_optimizer, make_scheduler
 from .precision import Precision
 from .session import Session
+
+
+def model_and_data(cfg: Config, rank: int = 0, world: int = 1) -> tuple[models.ModelSpec, Data]:
+    spec = models.resolve(cfg.model.name, cfg.model.overrides)
+    # A step's rows come in one batch, cut into micro-batches by the loop: how a step is cut never
+    # changes what it trains on (training/micro.py). Evaluation takes micro-batch-sized batches.
+    data = build_data(cfg.data, spec, cfg.train.batch_size * cfg.train.grad_accum, cfg.run.seed, rank, world,
+                      eval_batch_size=cfg.train.batch_size)
+    for key, value in data.model_fit.items():
+        if key in cfg.model.overrides and cfg.model.overrides[key] != value:
+            raise UserError(f"model.{key}={cfg.model.overrides[key]} does not match the data, which has {value}: "
+                            f"drop the setting or set --set model.{key}={value}")
+    if data.model_fit:
+        spec = models.resolve(cfg.model.name, {**data.model_fit, **cfg.model.overrides})
+    return spec, data
 
 
 @dataclass
@@ -43,6 +63,8 @@ class Task:
     batches: Iterator[Batch] = field(default_factory=lambda: iter(()))
     eval_fn: Callable[[nn.Module, Batch], dict[str, torch.Tensor]] | None = None
     eval_batches: Callable[[], Iterable[Batch]] | None = None
+    draws: int = 1                # batches drawn per step (`micro.py`): a recipe draws the step's rows at once
+    micro_batch: int = 0          # rows per forward (0: each drawn batch whole)
 
 
 def build_job(model: nn.Module, cfg: Config, session: Session, precision: Precision, task: Task,
@@ -60,4 +82,11 @@ def build_job(model: nn.Module, cfg: Config, session: Session, precision: Precis
                scheduler=make_scheduler(optimizer, cfg.optim, cfg.train.max_steps), precision=precision,
                batches=task.batches, eval_fn=placed.eval_fn or task.eval_fn, eval_batches=task.eval_batches,
                grad_sync=placed.grad_sync, micro_step=placed.micro_step or standard_micro_step,
-               clip_norm=placed.clip_norm)
+               clip_norm=placed.clip_norm, draws=task.draws, micro_batch=task.micro_batch,
+               any_rank=_any_rank(session), device=session.device.torch_device)
+
+
+def _any_rank(session: Session) -> Callable[[bool], bool]:
+    if session.world == 1:
+        return lambda flag: flag
+    return functools.partial(any_rank, group=session.control)

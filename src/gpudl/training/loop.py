@@ -2,8 +2,9 @@
 
 Everything that differs between devices, precisions and parallel strategies was decided
 before the loop starts and arrives here as objects (`Job`): the loop has no branches on them.
-One step = `grad_accum` micro-batches of forward + backward, then unscale, clip, a finiteness
-check that decides the update, the update itself, and the schedule.
+One step = the step's data (drawn once) in micro-batches of forward + backward, then unscale,
+clip, a finiteness check that decides the update, the update itself, and the schedule. A step
+that runs out of memory is run again from its start with half the micro-batch (`micro.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 from ..config import TrainConfig
 from ..errors import UserError
 from ..distributed.parts import clip_grad_norm
+from .micro import OutOfMemory, is_out_of_memory, micro_batches, release, rows
 from .precision import Precision
 
 Batch = tuple[torch.Tensor, ...]
@@ -33,6 +35,7 @@ class TrainState:
     batches: int = 0              # micro-batches consumed: the data position
     nonfinite_in_a_row: int = 0
     nonfinite_total: int = 0
+    micro_batch: int = 0          # rows per forward once out-of-memory recovery halved it (0: the job's)
 
 
 def standard_micro_step(job: Job, batch: Batch, scale: float) -> torch.Tensor:
@@ -61,6 +64,11 @@ class Job:
     micro_step: Callable[[Job, Batch, float], torch.Tensor] = standard_micro_step
     # Global gradient norm over this rank's parameters, clipping to max_norm when > 0.
     clip_norm: Callable[[list[torch.Tensor], float], torch.Tensor] = clip_grad_norm
+    draws: int = 1                # batches drawn from `batches` per step: the step's data
+    micro_batch: int = 0          # rows per forward (0: each drawn batch whole)
+    # True on every rank when it is true on any: ranks redo an out-of-memory step together.
+    any_rank: Callable[[bool], bool] = field(default=lambda flag: flag)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
 class Events(Protocol):
@@ -68,6 +76,7 @@ class Events(Protocol):
 
     def on_step(self, state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None: ...
     def on_eval(self, state: TrainState, metrics: dict[str, float]) -> None: ...
+    def on_oom(self, state: TrainState, oom: OutOfMemory) -> None: ...
     def after_step(self, state: TrainState) -> None: ...
     def should_stop(self, state: TrainState) -> bool: ...
 
@@ -77,6 +86,7 @@ class NoEvents:
 
     def on_step(self, *args) -> None: ...
     def on_eval(self, *args) -> None: ...
+    def on_oom(self, *args) -> None: ...
     def after_step(self, *args) -> None: ...
 
     def should_stop(self, *args) -> bool:
@@ -87,15 +97,45 @@ class NonFiniteError(UserError):
     """Too many steps in a row had a NaN or Inf gradient."""
 
 
-def forward_backward(job: Job, grad_accum: int) -> torch.Tensor:
-    """Accumulate gradients over `grad_accum` micro-batches; returns their mean loss (on device)."""
+class OutOfMemoryAtOneRow(UserError):
+    """A micro-batch of one sample does not fit: no halving can help."""
+
+
+def forward_backward(job: Job, micros: list[Batch]) -> torch.Tensor:
+    """Accumulate gradients over `micros`, each weighed by its share of the rows; their weighted mean loss."""
+    sizes = [rows(b) for b in micros]
     total = None
-    for micro in range(grad_accum):
-        batch = next(job.batches)
-        with job.grad_sync(micro == grad_accum - 1):
-            loss = job.micro_step(job, batch, 1.0 / grad_accum)
-        total = loss if total is None else total + loss
-    return total / grad_accum if grad_accum > 1 else total
+    for i, (batch, n) in enumerate(zip(micros, sizes)):
+        weight = n / sum(sizes)
+        with job.grad_sync(i == len(micros) - 1):
+            loss = job.micro_step(job, batch, weight)
+        weighted = loss * weight if weight != 1.0 else loss
+        total = weighted if total is None else total + weighted
+    return total
+
+
+def fitting_forward_backward(job: Job, data: list[Batch], state: TrainState, events: Events) -> torch.Tensor:
+    """`forward_backward` of the step's data; while any rank runs out of memory, every rank drops the
+    attempt's gradients, halves the micro-batch and runs the step again from its start."""
+    while True:
+        micro = min(state.micro_batch or job.micro_batch or 2**62, max(rows(b) for b in data))
+        error = ""
+        try:
+            loss = forward_backward(job, micro_batches(data, micro))
+        except RuntimeError as e:  # torch.OutOfMemoryError is one
+            if not is_out_of_memory(e):
+                raise
+            error = (str(e).splitlines() or [type(e).__name__])[0]  # the message only: the frames must go
+        if not job.any_rank(bool(error)):  # one collective: every rank redoes the step, or none
+            return loss
+        loss = None
+        job.optimizer.zero_grad(set_to_none=True)  # nothing of the failed attempt survives
+        release(job.device)
+        if micro <= 1:
+            raise OutOfMemoryAtOneRow(f"out of memory at step {state.step + 1} with a micro-batch of one sample "
+                                      f"({error or 'on another rank'})")
+        state.micro_batch = micro // 2
+        events.on_oom(state, OutOfMemory(state.step + 1, micro, micro // 2, error or "on another rank"))
 
 
 def clip_gradients(job: Job, max_norm: float) -> torch.Tensor:
@@ -153,8 +193,9 @@ def train_loop(job: Job, cfg: TrainConfig, state: TrainState, events: Events) ->
     """Train from `state` to `cfg.max_steps`, reporting to `events`, or until they ask to stop."""
     job.model.train()
     while state.step < cfg.max_steps:
-        loss = forward_backward(job, cfg.grad_accum)
-        state.batches += cfg.grad_accum
+        data = [next(job.batches) for _ in range(job.draws)]  # kept until the step is done: a redo needs it
+        state.batches += job.draws
+        loss = fitting_forward_backward(job, data, state, events)
         grad_norm = clip_gradients(job, cfg.grad_clip)
         finite = check_finite(grad_norm, state, cfg.max_nonfinite)
         job.precision.step(job.optimizer, finite)  # a non-finite step leaves weights and moments untouched

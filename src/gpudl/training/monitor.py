@@ -22,6 +22,7 @@ from ..observe.sinks import ConsoleProgress
 from .budget import StepBudget
 from .interrupt import StopRequest
 from .loop import Job, TrainState
+from .micro import OutOfMemory
 from .session import Session
 
 
@@ -114,6 +115,13 @@ class Monitor:
         if self.progress is not None:
             shown = " · ".join(f"{k} {v:.4f}" for k, v in record.items() if k not in ("kind", "step"))
             self.progress.print(f"step {state.step:>6} · validation {shown}")
+
+    def on_oom(self, state: TrainState, oom: OutOfMemory) -> None:
+        """A step that ran out of memory and is being run again with a smaller micro-batch: said and recorded."""
+        self._emit(oom.record())
+        if self.progress is not None:
+            self.progress.print(f"step {oom.step:>6} · out of memory ({oom.error}): micro-batch {oom.micro_batch} "
+                                f"-> {oom.halved_to}, the step runs again")
 
     def after_step(self, state: TrainState) -> None:
         if self.saver is not None and self.saver.due(state.step, self.train.max_steps):

@@ -6,6 +6,7 @@ allocates it on the device) -> data loader -> training loop -> metrics -> checkp
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import shlex
 from dataclasses import dataclass
@@ -19,12 +20,16 @@ from torch import nn
 from .. import models
 from ..checkpoint import Checkpointer, model_fingerprint
 from ..config import Config
-from ..data import Data, DeviceLoader, build_data, first_batches
+from ..data import Data, DeviceLoader, first_batches
+from ..device.peak import measured_peak_flops, peak_key
+from ..distributed.parallelize import compile_wanted
 from ..distributed.preflight import check_job
 from ..errors import UserError
+from ..memory.auto import planned, shard_wanted
+from ..memory.limit import enforce_memory_limit
 from ..observe.flops import count_training_flops, meta_batch
-from .job import Task, build_job
-from .loop import Job, TrainState
+from .job import Task, build_job, model_and_data
+from .loop import Job, OutOfMemoryAtOneRow, TrainState
 from .precision import Precision, make_precision
 from .run_dir import after_training, resolve_run_dir, restore_job
 from .runner import Execution, Workload, execute
@@ -40,18 +45,6 @@ class RunResult:
     records: list[dict]
     model: nn.Module
     optimizer: torch.optim.Optimizer | None = None
-
-
-def model_and_data(cfg: Config, rank: int = 0, world: int = 1) -> tuple[models.ModelSpec, Data]:
-    spec = models.resolve(cfg.model.name, cfg.model.overrides)
-    data = build_data(cfg.data, spec, cfg.train.batch_size, cfg.run.seed, rank, world)
-    for key, value in data.model_fit.items():
-        if key in cfg.model.overrides and cfg.model.overrides[key] != value:
-            raise UserError(f"model.{key}={cfg.model.overrides[key]} does not match the data, which has {value}: "
-                            f"drop the setting or set --set model.{key}={value}")
-    if data.model_fit:
-        spec = models.resolve(cfg.model.name, {**data.model_fit, **cfg.model.overrides})
-    return spec, data
 
 
 def eval_fn_for(spec: models.ModelSpec):
@@ -74,12 +67,13 @@ def recipe_job(cfg: Config, spec: models.ModelSpec, data: Data, session: Session
     what this rank holds (a pipeline rank: its stages), with the whole model's initial values.
     """
     meta = models.build_meta(spec)
-    flops = count_training_flops(meta, meta_batch(data.train.batch(0)), models.loss_for(spec))
+    micro = tuple(t[:cfg.train.batch_size] for t in data.train.batch(0))
+    flops = count_training_flops(meta, meta_batch(micro), models.loss_for(spec))
     device = session.device.torch_device
     val = data.val
     task = Task(models.loss_for(spec), eval_fn=eval_fn_for(spec),
                 eval_batches=(lambda: first_batches(val, data.eval_batches(cfg.train.eval_batches), device))
-                if val else None)
+                if val else None, micro_batch=cfg.train.batch_size)
     materialize = functools.partial(models.materialize, device=device, dtype=precision.param_dtype, seed=cfg.run.seed)
     job = build_job(models.build_meta(spec), cfg, session, precision, task, materialize)
     work = Workload(spec.name, data.unit, data.units_per_sample, flops // cfg.train.batch_size,
@@ -104,7 +98,15 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
         console = Console(quiet=True)
     precision = make_precision(cfg.train.precision, session.device)
     check_job(cfg, session.world, precision.name)
-    plan_parallel(session, cfg.parallel, _parameters(models.resolve(cfg.model.name, cfg.model.overrides)))
+    cfg = planned(cfg, session, console)
+    measured_peak_flops(session.device, peak_key(precision.name))  # for MFU; measured now, not under a limit
+    compiled = compile_wanted(cfg.train.compile, session.device.type)
+    with enforce_memory_limit(session.device, cfg.train.memory_limit, compiled):
+        return _train(cfg, session, precision, resume, console)
+
+
+def _train(cfg: Config, session: Session, precision: Precision, resume, console: Console) -> RunResult:
+    plan_parallel(session, cfg.parallel, shard_wanted(cfg, session))
     spec, data = model_and_data(cfg, *session.dp)
     run_dir, resuming = resolve_run_dir(cfg, resume, session)
     job, work = recipe_job(cfg, spec, data, session, precision)
@@ -118,13 +120,26 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
     job.batches = loader
     _announce(console, session, precision, spec, work, data, state)
     ex = Execution(session, job, cfg, state, loader, work, run_dir, ckpt)
-    result = execute(ex, console)
+    try:
+        result = execute(ex, console)
+    except OutOfMemoryAtOneRow as e:
+        raise out_of_memory_report(e, cfg, session, precision) from e
     if "stopped_by" in result.summary:  # preempted or interrupted: the checkpoint is all that is wanted now
         console.print(f"Stopped at step {state.step} of {cfg.train.max_steps} by {result.summary['stopped_by']}; "
                       f"checkpoint saved. Resume with: {resume_command(session, run_dir)}", markup=False, soft_wrap=True)
     else:
         after_training(cfg, spec, job.model, ckpt, session, run_dir, console)
     return RunResult(run_dir, result.summary, result.records, job.model, job.optimizer)
+
+
+def out_of_memory_report(e: OutOfMemoryAtOneRow, cfg: Config, session: Session, precision: Precision) -> UserError:
+    """The run's error with where its memory goes and the fixes ranked (rank 0 traces; the others just stop)."""
+    if not session.is_writer:
+        return e
+    from ..memory.oom import explain
+
+    asked = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision.name))
+    return UserError(f"{e}; {explain(asked, session.world)}")
 
 
 def resume_command(session: Session, run_dir: Path) -> str:
@@ -135,10 +150,6 @@ def resume_command(session: Session, run_dir: Path) -> str:
     nodes = ["--nnodes", str(env.world_size // env.local_world_size)] if env.world_size > env.local_world_size else []
     return shlex.join(["gpudl", "train", "--nproc-per-node", str(env.local_world_size), *nodes,
                        "--resume", str(run_dir)])
-
-
-def _parameters(spec: models.ModelSpec) -> int:
-    return sum(p.numel() for p in models.build_meta(spec).parameters())
 
 
 def _announce(console, session: Session, precision: Precision, spec, work: Workload, data: Data, state) -> None:

@@ -14,16 +14,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import ParallelConfig, RunConfig
 from ..device import DeviceInfo, detect
+from ..distributed.agree import broadcast_json
 from ..distributed.env import DistEnv, check_devices, die_with_agent, init_process_group, read_env
 from ..distributed.mesh import ParallelDims
 from ..distributed.watch import StepWatch
 from ..device.host import keep_freed_memory
-
-# Training state per parameter with AdamW and fp32 master weights: weights, gradients, two moments.
-TRAINING_BYTES_PER_PARAM = 16
-# Above this share of device memory for the training state alone, "auto" shards instead of replicating.
-SHARD_ABOVE = 0.4
-
 
 @dataclass
 class Session:
@@ -60,12 +55,8 @@ class Session:
         return self.rank == 0
 
     def agree(self, value):
-        """Rank 0's `value` (plain data), on every rank."""
-        if self.world == 1:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        """Rank 0's `value` (plain data: JSON's types), on every rank."""
+        return broadcast_json(value, self.control) if self.world > 1 else value
 
     def reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
         """Mean over data-parallel ranks (identity for one process). Gloo has no AVG: sum, then divide."""
@@ -97,10 +88,9 @@ def start_session(run: RunConfig, console: Console, timeout_s: int = 600, init_m
     return Session(info, env, timeout_s=timeout_s, control=control)
 
 
-def plan_parallel(session: Session, cfg: ParallelConfig, n_params: int) -> Session:
-    """Resolve the degrees for this job and build its mesh; "auto" shards when the model is large."""
-    memory = session.device.memory_bytes or 0
-    shard = memory > 0 and n_params * TRAINING_BYTES_PER_PARAM > SHARD_ABOVE * memory
+def plan_parallel(session: Session, cfg: ParallelConfig, shard: bool = False) -> Session:
+    """Resolve the degrees for this job and build its mesh. `shard`: what data-parallel degrees left
+    "auto" become, FSDP (True) or DDP (False); the memory planner decides it (`memory/auto.py`)."""
     session.dims = ParallelDims.resolve(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, pp=cfg.pp,
                                         world=session.world, shard=shard)
     if session.world > 1:

@@ -13,7 +13,7 @@ from ..config import Config, load_config
 from ..data import Data
 from ..device import DeviceInfo, detect
 from ..errors import UserError
-from .recipe import model_and_data
+from .job import model_and_data
 
 
 @dataclass

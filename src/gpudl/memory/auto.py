@@ -1,0 +1,132 @@
+"""`train.plan = "auto"` and `train.memory_limit`: a run's config made to fit, before anything is built.
+
+Rank 0 plans (one training step traced per candidate, on fake tensors) for this machine: its
+device's memory or `train.memory_limit`, the job's processes per node and nodes. The winner's
+settings reach the other ranks as data (JSON), every rank applies the same ones, and the run's
+config.toml records them with `train.plan = "off"`: a resumed or restarted run keeps the decision
+instead of planning again.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from ..config import Config, with_sets
+from ..config.sizes import parse_size
+from ..errors import UserError
+from ..training.session import Session
+from .plan import MARGIN, Machine, Plan, local_machine, plan
+
+
+def machine_here(cfg: Config, session: Session, speeds: bool = True) -> Machine:
+    """The job's machine: this device (or `train.memory_limit`), the job's processes per node and nodes."""
+    env = session.env
+    nproc = env.local_world_size if env else 1
+    limit = parse_size(cfg.train.memory_limit, "train.memory_limit") if cfg.train.memory_limit else None
+    return local_machine(cfg.run.device, nproc, (env.world_size // nproc) if env else 1, limit, speeds)
+
+
+def planned(cfg: Config, session: Session, console: Console) -> Config:
+    """`cfg` with the plan's winner applied (unchanged unless `train.plan` is "auto")."""
+    if cfg.train.plan != "auto":
+        return cfg
+    answer = None
+    if session.is_writer:
+        console.print("Planning memory: one training step per candidate, traced on fake tensors ...")
+        answer = _decide(plan(cfg, machine_here(cfg, session)))
+    answer = session.agree(answer)
+    if "error" in answer:
+        raise UserError(answer["error"])
+    console.print(answer["said"], markup=False, soft_wrap=True)
+    return with_sets(cfg, [*answer["sets"], "train.plan=off"])
+
+
+def _decide(result: Plan) -> dict:
+    from .report import why
+
+    w = result.winner
+    if w is None:
+        return {"error": f"train.plan=auto: {why(result)}"}
+    return {"sets": w.sets, "said": f"Plan: {w.describe()} · predicted peak {w.estimate.peak / 2**30:.2f} GiB per "
+                                    f"process of {result.machine.usable / 2**30:.2f} GiB usable"}
+
+
+def shard_wanted(cfg: Config, session: Session) -> bool:
+    """Whether data-parallel degrees left "auto" shard (FSDP) or replicate (DDP): replicate when one
+    replica's predicted peak, with the margin, fits in the memory here (rank 0 traces; all agree).
+    A layout not estimated yet (a pipeline beside data parallelism) is judged by its weights,
+    gradients and optimizer state alone (`state_needs_sharding`)."""
+    p = cfg.parallel
+    if session.world == 1 or "auto" not in (p.dp_replicate, p.dp_shard):
+        return False
+    verdict = None
+    if session.is_writer:
+        from .. import models
+        from .estimate import FakeJobs, dims_of
+
+        ddp = with_sets(cfg, [f"parallel.dp_replicate={dims_of(cfg, session.world).dp}", "parallel.dp_shard=1"])
+        usable = machine_here(cfg, session, speeds=False).usable
+        try:
+            with FakeJobs(session.world) as jobs:
+                verdict = jobs.estimate(ddp).peak * (1 + MARGIN) > usable
+        except UserError:
+            n = sum(t.numel() for t in models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides))
+                    .parameters())
+            verdict = state_needs_sharding(n, 2 if cfg.train.precision == "bf16-true" else 4, session, cfg)
+    return bool(session.agree(verdict))
+
+
+def state_needs_sharding(n_params: int, param_bytes: int, session: Session, cfg: Config) -> bool:
+    """For a module no trace can rebuild (a user's, in `fit`): shard when its weights, gradients and
+    AdamW moments alone (weights x 2 + 8 bytes a parameter) would take over 40% of the memory here."""
+    if session.world == 1 or "auto" not in (cfg.parallel.dp_replicate, cfg.parallel.dp_shard):
+        return False
+    return n_params * (2 * param_bytes + 8) > 0.4 * machine_here(cfg, session, speeds=False).usable
+
+
+def plan_module(module, loss_fn, example, cfg: Config, session: Session, console: Console) -> tuple[int, bool]:
+    """`fit(plan="auto")`: (micro-batch rows, activation checkpointing) for a user's module: the largest
+    halving of `cfg.train.batch_size` whose traced peak, with the margin, fits here; without
+    checkpointing where one does (it costs a third more compute), else with it where the module has
+    blocks to checkpoint. One process or DDP: a user's module cannot be sent to the worker that
+    traces sharded layouts on a fake process group."""
+    d = session.dims
+    if d is not None and (d.dp_shard > 1 or d.tp > 1 or d.pp > 1):
+        raise UserError(f"fit(plan='auto') plans one process or DDP, not {d.describe()}: drop plan='auto' and "
+                        f"give batch_size (memory_limit= still recovers from running out), or use parallel=None")
+    answer = None
+    if session.is_writer:
+        usable = machine_here(cfg, session, speeds=False).usable
+        answer = _fitting_micro_batch(module, loss_fn, example, cfg, session, usable)
+    answer = session.agree(answer)
+    if "error" in answer:
+        raise UserError(answer["error"])
+    console.print(answer["said"], markup=False, soft_wrap=True)
+    return answer["micro_batch"], answer["checkpointing"]
+
+
+def _fitting_micro_batch(module, loss_fn, example, cfg: Config, session: Session, usable: int) -> dict:
+    from .trace import trace_module
+
+    rows, step_rows = cfg.train.batch_size, cfg.train.batch_size * cfg.train.grad_accum
+    sizes = [rows >> k for k in range(rows.bit_length()) if rows % (1 << k) == 0]
+    smallest = None
+    for ac in (False, True):
+        for m in sizes:
+            sets = [f"train.batch_size={m}", f"train.grad_accum={step_rows // m}",
+                    f"train.activation_checkpointing={str(ac).lower()}"]
+            try:
+                peak = sum(trace_module(module, loss_fn, with_sets(cfg, sets), session, example,
+                                        ddp=session.world > 1).values())
+            except UserError:
+                break  # checkpointing a module without blocks: not a candidate
+            smallest = min(peak, smallest or peak)
+            if peak * (1 + MARGIN) <= usable:
+                how = " with activation checkpointing" if ac else ""
+                return {"micro_batch": m, "checkpointing": ac,
+                        "said": f"Plan: micro-batch {m} x {step_rows // m}{how} · predicted peak "
+                                f"{peak / 2**30:.3f} GiB per process of {usable / 2**30:.3f} GiB usable"}
+    need = f"{smallest * (1 + MARGIN) / 2**30:.3f} GiB with the margin" if smallest else "more"
+    return {"error": f"fit(plan='auto'): no micro-batch of {type(module).__name__} fits in {usable / 2**30:.3f} GiB "
+                     f"per process (a micro-batch of one needs {need}): give more memory_limit, use "
+                     f"precision='bf16-mixed', or more processes"}
