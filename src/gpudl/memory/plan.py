@@ -268,7 +268,7 @@ def _largest_that_fits(cfg: Config, machine: Machine, traces: FakeJobs, strategy
         c.estimate = traces.estimate(_apply(cfg, settings))
         need = int(c.estimate.peak * (1 + MARGIN))
         if need > machine.usable:
-            c.rejected = f"needs {need / 2**30:.2f} GiB with the {MARGIN:.0%} margin, {machine.usable / 2**30:.2f} usable"
+            c.rejected = f"needs {need / 2**30:.2f} GiB"  # with the margin; the table's title gives what is usable
         tried[i] = c
         return c
     lo, hi = 0, len(sizes) - 1           # sizes[lo] is the largest; find the first index that fits

@@ -48,9 +48,13 @@ def why(p: Plan) -> str:
         return (f"Nothing fits in {p.machine.usable / GiB:.2f} GiB per device{least}. As asked, "
                 f"{explain(p.cfg, p.machine.world, p.machine.usable)}")
     others = [c for c in p.candidates if c.fits and c is not w]
-    beaten = f", {min(c.step_s for c in others) / w.step_s:.3g}x as fast as the next that fits" if others else ""
+    beaten = f", {_faster(min(c.step_s for c in others) / w.step_s)} the next that fits" if others else ""
     return (f"Chosen: {w.describe()}, predicted {w.estimate.peak / GiB:.2f} GiB per device and {w.step_s:.3g} s "
             f"a step{beaten}. Apply it: " + " ".join(f"--set {s}" for s in w.sets))
+
+
+def _faster(ratio: float) -> str:
+    return f"{ratio:.2f}x as fast as" if ratio >= 1.1 else f"{(ratio - 1) * 100:.1f}% faster than"
 
 
 def plan_json(p: Plan) -> dict:

@@ -1,0 +1,57 @@
+"""The out-of-memory report: each fix's predicted saving against the saving measured on real steps
+(benchmarks/memory_measure.py: c10's allocation log, no code shared with the estimate), and the
+report where nothing fits."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpudl import models
+from gpudl.config import load_config
+from gpudl.memory.estimate import estimate
+from gpudl.memory.oom import fixes, fixes_line
+from gpudl.memory.plan import local_machine, plan
+from gpudl.memory.report import why
+
+_PATH = Path(__file__).parents[2] / "benchmarks" / "memory_measure.py"
+_spec = importlib.util.spec_from_file_location("memory_measure", _PATH)
+mm = sys.modules.setdefault("memory_measure", importlib.util.module_from_spec(_spec))
+if not hasattr(mm, "measure"):
+    _spec.loader.exec_module(mm)
+
+ASKED = mm.Case("gpt-tiny", 32)  # fp32, one process
+FIXED = {  # each fix as the measured job it makes
+    "bf16-mixed": mm.Case("gpt-tiny", 32, "bf16-mixed"),
+    "activation checkpointing": mm.Case("gpt-tiny", 32, activation_checkpointing=True),
+    "micro-batch 32 -> 16": mm.Case("gpt-tiny", 16, overrides=(("train.grad_accum", 2),)),
+    "FSDP over 2 processes": mm.Case("gpt-tiny", 32, strategy="fsdp", world=2),
+}
+
+
+def measured_peak(case, tmp_path: Path) -> int:
+    return max(r["peak_bytes"] for r in mm.measure(case, tmp_path / case.title.replace(" ", "_")))
+
+
+def test_each_fix_saves_what_it_predicts_within_15_percent(tmp_path):
+    cfg = load_config(None, ASKED.config_sets())
+    found = {f.name: f for f in fixes(cfg, 1, estimate(cfg))}
+    assert set(found) == set(FIXED)
+    asked = measured_peak(ASKED, tmp_path)
+    for name, case in FIXED.items():
+        saved = asked - measured_peak(case, tmp_path)
+        assert found[name].saving == pytest.approx(saved, rel=0.15), (name, found[name].saving / 2**20, saved / 2**20)
+    line = fixes_line(sorted(found.values(), key=lambda f: -f.saving))
+    assert line.startswith("activation checkpointing -") and "bf16-mixed -" in line  # largest saving first
+
+
+def test_where_nothing_fits_the_report_gives_the_breakdown_and_the_fixes():
+    cfg = load_config(None, [*ASKED.config_sets(), "model.n_layer=2", "train.batch_size=8"])
+    n = sum(p.numel() for p in models.build_meta(models.resolve("gpt-tiny", {"n_layer": 2})).parameters())
+    result = plan(cfg, local_machine("cpu", 1, limit=int(n * 16 * 1.02)))  # just above weights + grads + AdamW
+    said = why(result)
+    assert result.winner is None and said.startswith("Nothing fits in")
+    assert "predicted peak per process" in said and "fixes, by predicted saving: " in said and "bf16-mixed -" in said
