@@ -115,27 +115,29 @@ def forward_backward(job: Job, micros: list[Batch]) -> torch.Tensor:
 
 
 def fitting_forward_backward(job: Job, data: list[Batch], state: TrainState, events: Events) -> torch.Tensor:
-    """`forward_backward` of the step's data; while any rank runs out of memory, every rank drops the
-    attempt's gradients, halves the micro-batch and runs the step again from its start."""
+    """`forward_backward` of the step's data; when the ranks run out of memory, each drops the attempt's
+    gradients, halves the micro-batch and runs the step again from its start.
+
+    Ranks with the same shapes run out at the same point and meet in one collective before the redo.
+    No collective is spent on steps that fit: a rank that did not run out is by then waiting inside a
+    collective of the step (gradient all-reduce, all-gather) that the others never reach, so a check
+    after the step could not reach it either; such a job ends at the collective timeout."""
     while True:
         micro = min(state.micro_batch or job.micro_batch or 2**62, max(rows(b) for b in data))
-        error = ""
         try:
-            loss = forward_backward(job, micro_batches(data, micro))
+            return forward_backward(job, micro_batches(data, micro))
         except RuntimeError as e:  # torch.OutOfMemoryError is one
             if not is_out_of_memory(e):
                 raise
             error = (str(e).splitlines() or [type(e).__name__])[0]  # the message only: the frames must go
-        if not job.any_rank(bool(error)):  # one collective: every rank redoes the step, or none
-            return loss
-        loss = None
+        job.any_rank(True)  # every rank that ran out meets here before any redoes the step
         job.optimizer.zero_grad(set_to_none=True)  # nothing of the failed attempt survives
         release(job.device)
         if micro <= 1:
             raise OutOfMemoryAtOneRow(f"out of memory at step {state.step + 1} with a micro-batch of one sample "
-                                      f"({error or 'on another rank'})")
+                                      f"({error})")
         state.micro_batch = micro // 2
-        events.on_oom(state, OutOfMemory(state.step + 1, micro, micro // 2, error or "on another rank"))
+        events.on_oom(state, OutOfMemory(state.step + 1, micro, micro // 2, error))
 
 
 def clip_gradients(job: Job, max_norm: float) -> torch.Tensor:
