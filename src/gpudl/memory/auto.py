@@ -33,7 +33,10 @@ def planned(cfg: Config, session: Session, console: Console) -> Config:
     answer = None
     if session.is_writer:
         console.print("Planning memory: one training step per candidate, traced on fake tensors ...")
-        answer = _decide(plan(cfg, machine_here(cfg, session)))
+        try:
+            answer = _decide(plan(cfg, machine_here(cfg, session)))
+        except UserError as e:  # said on every rank, not left for the others to find as a lost connection
+            answer = {"error": str(e)}
     answer = session.agree(answer)
     if "error" in answer:
         raise UserError(answer["error"])
