@@ -15,7 +15,7 @@ from ..config import Config, with_sets
 from ..config.sizes import parse_size
 from ..errors import UserError
 from ..training.session import Session
-from .plan import MARGIN, Machine, Plan, local_machine, plan
+from .plan import MARGIN, Machine, Plan, local_machine, plan, training_state_bytes
 
 
 def machine_here(cfg: Config, session: Session, speeds: bool = True) -> Machine:
@@ -84,7 +84,7 @@ def state_needs_sharding(n_params: int, param_bytes: int, session: Session, cfg:
     AdamW moments alone (weights x 2 + 8 bytes a parameter) would take over 40% of the memory here."""
     if session.world == 1 or "auto" not in (cfg.parallel.dp_replicate, cfg.parallel.dp_shard):
         return False
-    return n_params * (2 * param_bytes + 8) > 0.4 * machine_here(cfg, session, speeds=False).usable
+    return training_state_bytes(n_params, param_bytes) > 0.4 * machine_here(cfg, session, speeds=False).usable
 
 
 def plan_module(module, loss_fn, example, cfg: Config, session: Session, console: Console) -> tuple[int, bool]:

@@ -9,6 +9,7 @@ the step) is the training loop's (`training/loop.py`, `training/micro.py`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from ..config import Config, with_sets
@@ -45,15 +46,13 @@ def _candidates(cfg: Config, world: int) -> list[tuple[str, list[str], int]]:
 def fixes(cfg: Config, world: int, asked: Estimate) -> list[Fix]:
     """Every fix that applies to `cfg` on `world` processes, the largest saving first."""
     found = []
-    by_world: dict[int, FakeJobs] = {}
-    try:
+    with contextlib.ExitStack() as stack:
+        by_world: dict[int, FakeJobs] = {}
         for name, sets, w in _candidates(cfg, world):
-            jobs = by_world.setdefault(w, FakeJobs(w))
-            peak = jobs.estimate(with_sets(cfg, sets)).peak
+            if w not in by_world:
+                by_world[w] = stack.enter_context(FakeJobs(w))
+            peak = by_world[w].estimate(with_sets(cfg, sets)).peak
             found.append(Fix(name, tuple(sets), w, peak, asked.peak - peak))
-    finally:
-        for jobs in by_world.values():
-            jobs.__exit__(None, None, None)
     return sorted(found, key=lambda f: -f.saving)
 
 

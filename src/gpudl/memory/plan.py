@@ -165,11 +165,16 @@ def _check_request(cfg: Config, machine: Machine) -> None:
     spec = models.resolve(cfg.model.name, cfg.model.overrides)
     n = sum(p.numel() for p in models.build_meta(spec).parameters())
     weight_bytes = 2 if cfg.train.precision == "bf16-true" else 4
-    least = n * (2 * weight_bytes + 8) // machine.world  # weights + gradients + two AdamW moments, all sharded
+    least = training_state_bytes(n, weight_bytes) // machine.world  # all sharded
     if least > machine.usable:
         raise UserError(f"{machine.usable / 2**30:.2f} GiB per device is less than the parameters alone need: "
                         f"{n / 1e6:.0f}M parameters, their gradients and AdamW state take {least / 2**30:.2f} GiB "
                         f"per device even sharded over {machine.world}: use more devices or more memory")
+
+
+def training_state_bytes(n_params: int, param_bytes: int) -> int:
+    """What training holds whatever the batch: the weights, their gradients and AdamW's two fp32 moments."""
+    return n_params * (2 * param_bytes + 8)
 
 
 def _fixed_layout(cfg: Config, machine: Machine) -> list[tuple[str, dict[str, object]]]:

@@ -104,9 +104,9 @@ class OutOfMemoryAtOneRow(UserError):
 def forward_backward(job: Job, micros: list[Batch]) -> torch.Tensor:
     """Accumulate gradients over `micros`, each weighed by its share of the rows; their weighted mean loss."""
     sizes = [rows(b) for b in micros]
-    total = None
+    all_rows, total = sum(sizes), None
     for i, (batch, n) in enumerate(zip(micros, sizes)):
-        weight = n / sum(sizes)
+        weight = n / all_rows
         with job.grad_sync(i == len(micros) - 1):
             loss = job.micro_step(job, batch, weight)
         weighted = loss * weight if weight != 1.0 else loss
