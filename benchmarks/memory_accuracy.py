@@ -11,6 +11,7 @@ and the error. The last line: the number of cases, the median and the worst abso
     python benchmarks/memory_accuracy.py                 # the whole suite (about 17 minutes on 2 cores)
     python benchmarks/memory_accuracy.py --quick         # the cases the tests also hold
     python benchmarks/memory_accuracy.py --only pp       # one strategy's cases (repeat for more)
+    python benchmarks/memory_accuracy.py --match x4      # the cases whose title has "x4" (repeat for more)
     python benchmarks/memory_accuracy.py --json out.json
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 from memory_measure import STRATEGIES, Case, measure
 
 from gpudl.config import load_config
-from gpudl.memory.estimate import estimate
+from gpudl.memory.fake_jobs import estimate
 
 MiB = 2**20
 TINY, GPT2, SMALL = (), (("block_size", 256),), (("data.image_size", 32),)
@@ -69,6 +70,13 @@ SUITE = [
     Case("gpt-tiny", 8, overrides=ACCUM4), Case("gpt-tiny", 8, strategy="ddp", world=2, overrides=ACCUM4),
     Case("gpt-tiny", 8, strategy="fsdp", world=2, overrides=ACCUM4),
     Case("resnet18", 8, overrides=SMALL + (("train.grad_accum", 2),)),
+    # the other layouts gpudl runs: FSDP keeping the weights gathered, sequence parallelism, HSDP, TP x FSDP
+    Case("gpt-tiny", 32, strategy="fsdp", world=2, overrides=(("parallel.fsdp_reshard_after_forward", False),)),
+    Case("gpt-tiny", 16, strategy="tp", world=2, overrides=(("parallel.tp_sequence_parallel", True),)),
+    Case("gpt-tiny", 16, strategy="fsdp", world=4, overrides=(("parallel.dp_replicate", 2), ("parallel.dp_shard", 2))),
+    Case("gpt-tiny", 16, strategy="tp", world=4, overrides=(("parallel.dp_shard", 2), ("parallel.tp", 2))),
+    # a deep model estimated from traces of 4 and 5 blocks (memory/depth.py), checkpointed and accumulating
+    Case("gpt2-124m", 4, "bf16-mixed", True, strategy="fsdp", world=2, overrides=GPT2 + (("train.grad_accum", 2),)),
 ]
 QUICK = [c for c in SUITE if c.model in ("gpt-tiny", "resnet18") and c.batch_size <= 16]
 
@@ -87,10 +95,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="only the small cases")
     ap.add_argument("--only", action="append", choices=STRATEGIES, help="only this strategy's cases")
+    ap.add_argument("--match", action="append", metavar="TEXT", help="only the cases whose title has TEXT")
     ap.add_argument("--json", type=Path, help="also write every row here")
     args = ap.parse_args()
     rows = []
-    cases = [c for c in (QUICK if args.quick else SUITE) if not args.only or c.strategy in args.only]
+    cases = [c for c in (QUICK if args.quick else SUITE) if (not args.only or c.strategy in args.only)
+             and (not args.match or any(m in c.title for m in args.match))]
     width = max(48, *(len(c.title) for c in cases))
     print(f"{'case':<{width}} {'predicted MiB':>14} {'measured MiB':>13} {'error':>8} {'estimate s':>11}")
     with tempfile.TemporaryDirectory(prefix="gpudl-memory-accuracy-") as tmp:

@@ -103,12 +103,13 @@ class Case:
                 "train.compile=false", "train.attention=sdpa", "data.kind=synthetic"]
         if self.strategy == "pp":  # defaults an override may change ("parallel.pp_schedule", "parallel.pp_microbatches")
             sets += ["model.tie_embeddings=false", "parallel.pp_microbatches=2"]
-        sets += [f"{key if '.' in key else 'model.' + key}={_toml(value)}" for key, value in self.overrides]
         w = self.world
         degrees = {"single": {}, "ddp": {"dp_replicate": w, "dp_shard": 1}, "fsdp": {"dp_replicate": 1, "dp_shard": w},
                    "tp": {"dp_replicate": 1, "dp_shard": 1, "tp": w},
                    "pp": {"dp_replicate": 1, "dp_shard": 1, "pp": w}}[self.strategy]
         sets += [f"parallel.{k}={v}" for k, v in degrees.items()]
+        # after the degrees: an override may split them (HSDP: parallel.dp_replicate=2 of an fsdp x4 case)
+        sets += [f"{key if '.' in key else 'model.' + key}={_toml(value)}" for key, value in self.overrides]
         return sets
 
     def to_json(self) -> str:

@@ -12,7 +12,7 @@ import pytest
 
 from gpudl import models
 from gpudl.config import load_config
-from gpudl.memory.estimate import estimate
+from gpudl.memory.fake_jobs import estimate
 from gpudl.memory.oom import fixes, fixes_line
 from gpudl.memory.plan import local_machine, plan
 from gpudl.memory.report import why

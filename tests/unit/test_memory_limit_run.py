@@ -15,7 +15,7 @@ import pytest
 
 from conftest import run_cli
 from gpudl.config import load_config
-from gpudl.memory.estimate import estimate
+from gpudl.memory.fake_jobs import estimate
 
 GPT = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.block_size=64", "train.precision=fp32",
        "train.max_steps=5", "train.log_every=1", "train.eval_every=0", "sample.tokens=0", "log.progress=false",

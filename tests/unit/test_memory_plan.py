@@ -15,7 +15,7 @@ import pytest
 
 from gpudl.cli import main
 from gpudl.config import load_config
-from gpudl.memory.estimate import estimate
+from gpudl.memory.fake_jobs import estimate
 from gpudl.memory.plan import layouts, local_machine, parse_size, plan, target_machine
 
 _PATH = Path(__file__).parents[2] / "benchmarks" / "memory_measure.py"

@@ -11,6 +11,7 @@ single-process run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sysconfig
@@ -30,9 +31,10 @@ CORPUS_FORMAT = 1
 _SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__"}
 
 
-def stdlib_sources() -> list[Path]:
+@functools.cache  # the installed standard library does not change while a process runs; walking it takes a second
+def stdlib_sources() -> tuple[Path, ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    return [p for p in sorted(root.rglob("*.py")) if not _SKIP_DIRS & set(p.relative_to(root).parts[:-1])]
+    return tuple(p for p in sorted(root.rglob("*.py")) if not _SKIP_DIRS & set(p.relative_to(root).parts[:-1]))
 
 
 def _text_files(path: Path) -> list[Path]:
@@ -47,6 +49,11 @@ def _fingerprint(files: list[Path]) -> str:
         st = p.stat()
         h.update(f"{p}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
+
+
+@functools.cache
+def _stdlib_fingerprint() -> str:
+    return _fingerprint(stdlib_sources())
 
 
 def _write_bytes_file(files: list[Path], out: Path) -> None:
@@ -64,14 +71,16 @@ def byte_corpus(path: str | None) -> Path:
     """The byte-level token file for a text file or folder (None: the standard library), cached."""
     if path is None:
         files, label = stdlib_sources(), "stdlib"
+        fingerprint = _stdlib_fingerprint()
     else:
         src = Path(path).expanduser()
         if not src.exists():
             raise UserError(f"data.path {path!r} does not exist: point it at a text file or a folder of text files")
         files, label = _text_files(src), src.name
+        fingerprint = _fingerprint(files) if files else ""
     if not files:
         raise UserError(f"data.path {path!r} holds no files: add text files or choose another folder")
-    out = cache_dir() / f"text-v{CORPUS_FORMAT}-{label}-{_fingerprint(files)}.u8"
+    out = cache_dir() / f"text-v{CORPUS_FORMAT}-{label}-{fingerprint}.u8"
     if not out.exists():
         _write_bytes_file(files, out)
     if out.stat().st_size == 0:

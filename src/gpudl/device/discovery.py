@@ -228,9 +228,14 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "CPU"
 
 
+def usable_cpus() -> int:
+    """Logical CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _cpu_topology() -> tuple[int, int]:
     """(physical cores usable by this process, hardware threads per core)."""
-    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    logical = usable_cpus()
     try:
         text = open("/proc/cpuinfo", encoding="utf8").read()
         siblings = int(text.split("siblings")[1].split(":")[1].split()[0])

@@ -65,7 +65,8 @@ def shard_wanted(cfg: Config, session: Session) -> bool:
     verdict = None
     if session.is_writer:
         from .. import models
-        from .estimate import FakeJobs, dims_of
+        from .estimate import dims_of
+        from .fake_jobs import FakeJobs
 
         ddp = with_sets(cfg, [f"parallel.dp_replicate={dims_of(cfg, session.world).dp}", "parallel.dp_shard=1"])
         usable = machine_here(cfg, session, speeds=False).usable

@@ -1,28 +1,28 @@
 """Peak memory of a training step per rank, for every strategy gpudl runs, before anything is allocated.
 
 One process, FSDP2 (and HSDP) and tensor parallelism are traced (`trace.py`): the one-process
-job in this process, the others as rank 0 of a job of `world` fake processes, in a worker
-process whose default group is torch's fake process group (so this process's own group, if it
-has one, is left alone). DDP cannot be traced so: its rank is the one-process job with DDP's
-gradient buckets modelled in the trace (`trace._DDPBuckets`). Nor can a pipeline schedule (its
-stages exchange shapes): each rank's stages are traced on their own, in this process, and the
-schedule's order combines them by formula (`pipeline.py`); a pipeline job's estimate is its rank
-with the largest peak. Pipelines with data or tensor parallelism beside them are not estimated yet.
+job as it is, the others as rank 0 of a job of `world` fake processes, which needs torch's fake
+process group as the default group: `fake_jobs.py` runs these estimates in worker processes
+that have one (so the caller's own group, if it has one, is left alone). DDP cannot be traced
+so: its rank is the one-process job with DDP's gradient buckets modelled in the trace
+(`trace._DDPBuckets`). Nor can a pipeline schedule (its stages exchange shapes): each rank's
+stages are traced on their own and the schedule's order combines them by formula
+(`pipeline.py`); a pipeline job's estimate is its rank with the largest peak. Pipelines with data
+or tensor parallelism beside them are not estimated yet. The others, of a deep GPT, are traced at
+4 and 5 blocks and extrapolated (`depth.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 
 from ..config import Config
-from ..device import DeviceInfo, cpu_info
+from ..device import cpu_info  # traces run on the CPU's fake tensors; accelerators: see plan.py's reserve
 from ..distributed.mesh import ParallelDims
 from ..errors import UserError
+from .depth import by_depth
+from .trace import Phases, at_peak
 
 
 @dataclass(frozen=True)
@@ -57,55 +57,26 @@ def strategy_of(cfg: Config, world: int) -> str:
     return "DDP"
 
 
-def estimate(cfg: Config, world: int = 1) -> Estimate:
-    """The peak per rank of `cfg`'s training step on `world` processes (its parallel section says how)."""
-    with FakeJobs(world) as jobs:
-        return jobs.estimate(cfg)
+def estimate_here(cfg: Config, world: int, whole: bool = False) -> Estimate:
+    """`fake_jobs.estimate`, in this process (`traced_here`: what a job of several processes needs), one trace
+    after the other. `whole`: trace a deep GPT at its full depth, not from traces of 4 and 5 blocks
+    (`depth.py`)."""
+    kind = strategy_of(cfg, world)
+    if kind == "PP":
+        return Estimate(kind, world, pipeline_here(cfg, world))
+    return Estimate(kind, world, at_peak(traced_here(cfg, world) if whole else
+                                         by_depth(cfg, lambda c: traced_here(c, world))))
 
 
-class FakeJobs:
-    """Estimates on `world` processes. Traces that need a job of fake processes run in one worker
-    process, started on first need and kept for every later estimate (a planner asks for many)."""
-
-    def __init__(self, world: int):
-        self.world, self._worker = world, None
-
-    def __enter__(self) -> FakeJobs:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._worker is not None:
-            self._worker.stdin.close()
-            self._worker.wait(timeout=60)
-
-    def estimate(self, cfg: Config) -> Estimate:
-        kind = strategy_of(cfg, self.world)
-        if kind == "PP":
-            return Estimate(kind, self.world, _pipeline(cfg, self.world))
-        if kind in ("one process", "DDP"):
-            return Estimate(kind, self.world, _one_process(cfg, ddp=kind == "DDP"))
-        return Estimate(kind, self.world, self._traced(cfg))
-
-    def _traced(self, cfg: Config) -> dict[str, int]:
-        if self._worker is None:
-            self._worker = _start_worker(self.world)
-        self._worker.stdin.write(json.dumps({"config": cfg.to_toml()}) + "\n")
-        self._worker.stdin.flush()
-        answer = json.loads(self._worker.stdout.readline() or '{"error": "the trace worker ended"}')
-        if "error" in answer:
-            raise UserError(f"tracing the job as one of {self.world} processes failed: {answer['error']}")
-        return answer["parts"]
+def traced_here(cfg: Config, world: int) -> Phases:
+    """One trace of the step, at the model's depth, in this process: a job of several processes as
+    its rank 0, which needs torch's fake process group of `world` processes as the default group."""
+    if strategy_of(cfg, world) in ("one process", "DDP"):
+        return _one_process(cfg, ddp=world > 1)
+    return _as_rank_zero(cfg, world)
 
 
-def _start_worker(world: int) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)  # the worker is no rank of the caller's job
-    return subprocess.Popen([sys.executable, "-m", "gpudl.memory.trace_worker", str(world)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)
-
-
-def _one_process(cfg: Config, ddp: bool) -> dict[str, int]:
+def _one_process(cfg: Config, ddp: bool) -> Phases:
     from ..training.job import model_and_data
     from ..training.session import Session
     from .trace import trace_step
@@ -113,10 +84,23 @@ def _one_process(cfg: Config, ddp: bool) -> dict[str, int]:
     single = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp_replicate=1, dp_shard=1, tp=1,
                                                                   pp=1))
     _, data = model_and_data(single)
-    return trace_step(single, Session(_device(cfg)), data.train.batch(0), ddp=ddp)
+    return trace_step(single, Session(cpu_info()), data.train.batch(0), ddp=ddp)
 
 
-def _pipeline(cfg: Config, world: int) -> dict[str, int]:
+def _as_rank_zero(cfg: Config, world: int) -> Phases:
+    """Rank 0 of `world` processes; their collectives go to the default group, torch's fake one."""
+    from ..distributed.env import DistEnv
+    from ..training.job import model_and_data
+    from ..training.session import Session, plan_parallel
+    from .trace import trace_step
+
+    session = Session(cpu_info(), env=DistEnv(0, world, 0, world))
+    plan_parallel(session, cfg.parallel)
+    _, data = model_and_data(cfg, *session.dp)
+    return trace_step(cfg, session, data.train.batch(0))
+
+
+def pipeline_here(cfg: Config, world: int) -> dict[str, int]:
     """The pipeline rank with the largest peak (`pipeline.py`) of a pipeline-only job; every rank reads the batch."""
     from ..training.job import model_and_data
     from .pipeline import rank_peaks
@@ -127,7 +111,3 @@ def _pipeline(cfg: Config, world: int) -> dict[str, int]:
                         f"memory of such a job is not estimated yet; plan it with --set parallel.pp={world} or pp=1")
     _, data = model_and_data(cfg)
     return max(rank_peaks(cfg, data.train.batch(0)), key=lambda parts: sum(parts.values()))
-
-
-def _device(cfg: Config) -> DeviceInfo:
-    return cpu_info()  # traces run on the CPU's fake tensors; accelerators: see plan.py's reserve

@@ -13,7 +13,8 @@ import contextlib
 from dataclasses import dataclass
 
 from ..config import Config, with_sets
-from .estimate import Estimate, FakeJobs, dims_of
+from .estimate import Estimate, dims_of
+from .fake_jobs import FakeJobs
 
 GiB = 2**30
 

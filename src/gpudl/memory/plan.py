@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .. import models
@@ -28,7 +29,9 @@ from ..config.sizes import parse_size
 from ..device import DeviceInfo, detect
 from ..device.specs import TARGETS, datasheet_tflops
 from ..errors import UserError, unknown_name
-from .estimate import Estimate, FakeJobs
+from .depth import by_depth
+from .estimate import Estimate
+from .fake_jobs import FakeJobs
 from .pipeline import pipeline_possible, pipeline_seconds
 
 MARGIN = 0.10                 # of the predicted peak: allocator fragmentation, and what a trace does not see
@@ -135,19 +138,29 @@ def plan(cfg: Config, machine: Machine) -> Plan:
     cfg = _for_machine(cfg, machine)
     _check_request(cfg, machine)
     result = Plan(machine, global_batch(cfg, machine.world), cfg)
-    flops = _flops_per_sample(cfg)
-    with FakeJobs(machine.world) as traces:
-        for strategy, parallel in _fixed_layout(cfg, machine) or layouts(cfg, machine):
-            plain = _largest_that_fits(cfg, machine, traces, strategy, parallel, False, result.global_batch)
-            result.candidates.append(plain)
-            if not plain.fits or plain.grad_accum > _least_accumulation(cfg, parallel, machine, result.global_batch):
-                # checkpointing costs a third more compute: worth a trace only where it could buy a larger micro-batch
-                result.candidates.append(_largest_that_fits(cfg, machine, traces, strategy, parallel, True,
-                                                            result.global_batch))
-        for c in result.candidates:
-            if c.fits:
-                c.step_s = step_seconds(c, cfg, machine, flops, result.global_batch)
+    options = _fixed_layout(cfg, machine) or layouts(cfg, machine)
+    # Layouts are planned side by side, each in a thread whose traces run in a worker process of its
+    # own (`fake_jobs.py`); a one-process job is traced here, where only one trace may run at a time.
+    with FakeJobs(machine.world).start(2 * len(options)) as traces, \
+            ThreadPoolExecutor(len(options) if machine.world > 1 else 1) as pool:
+        flops = by_depth(cfg, _flops_per_sample)  # while the workers start
+        planned = [pool.submit(_layout_candidates, cfg, machine, traces, strategy, parallel, result.global_batch)
+                   for strategy, parallel in options]
+        result.candidates = [c for future in planned for c in future.result()]
+    for c in result.candidates:
+        if c.fits:
+            c.step_s = step_seconds(c, cfg, machine, flops, result.global_batch)
     return result
+
+
+def _layout_candidates(cfg: Config, machine: Machine, traces: FakeJobs, strategy: str, parallel: dict,
+                       batch: int) -> list[Candidate]:
+    """The layout's largest micro-batch that fits, without checkpointing and, where that could buy a
+    larger one, with it (it costs a third more compute: otherwise not worth a trace)."""
+    plain = _largest_that_fits(cfg, machine, traces, strategy, parallel, False, batch)
+    if plain.fits and plain.grad_accum <= _least_accumulation(cfg, parallel, machine, batch):
+        return [plain]
+    return [plain, _largest_that_fits(cfg, machine, traces, strategy, parallel, True, batch)]
 
 
 def _least_accumulation(cfg: Config, parallel: dict, machine: Machine, batch: int) -> int:
@@ -277,15 +290,13 @@ def _largest_that_fits(cfg: Config, machine: Machine, traces: FakeJobs, strategy
         tried[i] = c
         return c
     lo, hi = 0, len(sizes) - 1           # sizes[lo] is the largest; find the first index that fits
-    if attempt(hi).rejected:
-        return tried[hi]                 # not even a micro-batch of the smallest size fits
     while lo < hi:
         mid = (lo + hi) // 2
         if attempt(mid).rejected:
             lo = mid + 1
         else:
             hi = mid
-    best = tried.get(lo) or attempt(lo)
+    best = tried.get(lo) or attempt(lo)  # when even the smallest does not fit: its rejection
     best.traces = len(tried)
     return best
 

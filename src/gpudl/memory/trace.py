@@ -17,8 +17,10 @@ combined by formula (`pipeline.py`).
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
+import functools
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +33,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from .. import models
 from ..config import Config
 from ..data.loader import map_tensors, tensors_in
+from ..distributed.parallelize import block_units
 from ..training.job import Task, build_job
 from ..training.loop import Job, clip_gradients, forward_backward
 from ..training.micro import micro_batches
@@ -47,8 +50,17 @@ _CATEGORY_OF = {"PARAM": "params", "SHARDED_PARAM": "params", "UNSHARDED_PARAM":
                 "OTH": "inputs"}  # MemTracker's "other" is what we register besides model and optimizer: the batch
 
 
-def trace_step(cfg: Config, session: Session, example: tuple[torch.Tensor, ...], ddp: bool = False) -> dict[str, int]:
-    """Bytes by category at the peak of a steady training step of `cfg`'s model on this rank.
+Parts = dict[str, int]        # CATEGORIES -> bytes
+Phases = dict[str, Parts]     # a piece of the step (`_Pieces`) -> bytes by category at that piece's own peak
+
+
+def at_peak(phases: Phases) -> Parts:
+    """The breakdown at the step's peak: that of the piece whose own peak is the highest."""
+    return max(phases.values(), key=lambda parts: sum(parts.values()))
+
+
+def trace_step(cfg: Config, session: Session, example: tuple[torch.Tensor, ...], ddp: bool = False) -> Phases:
+    """Bytes by category at the peak of each piece of a steady training step of `cfg`'s model on this rank.
 
     `example` is one real batch of the data (its shapes and dtypes are all that is used);
     `cfg.train.batch_size` is the micro-batch traced. `ddp`: the one-process job with DDP's
@@ -59,23 +71,23 @@ def trace_step(cfg: Config, session: Session, example: tuple[torch.Tensor, ...],
 
 
 def trace_module(module: torch.nn.Module, loss_fn, cfg: Config, session: Session, example,
-                 ddp: bool = False) -> dict[str, int]:
+                 ddp: bool = False) -> Parts:
     """`trace_step` of a user's own module (`fit`) and its loss; the module itself is left untouched:
     the trace runs on a copy whose parameters and buffers are made on the meta device (no values copied)."""
     meta = {id(t): torch.nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
             if isinstance(t, torch.nn.Parameter) else torch.empty_like(t, device="meta")
             for t in (*module.parameters(), *module.buffers())}
-    return trace_model(copy.deepcopy(module, meta), loss_fn, cfg, session, example, ddp)
+    return at_peak(trace_model(copy.deepcopy(module, meta), loss_fn, cfg, session, example, ddp))
 
 
-def trace_model(meta: torch.nn.Module, loss_fn, cfg: Config, session: Session, example, ddp: bool) -> dict[str, int]:
+def trace_model(meta: torch.nn.Module, loss_fn, cfg: Config, session: Session, example, ddp: bool) -> Phases:
     """The trace itself, of `meta` (a model on the meta device, made fake here in place)."""
     # Nothing runs, so the traced device may take any precision the job asks for (bf16 on a CPU without it).
     precision = make_precision(cfg.train.precision, dataclasses.replace(session.device, bf16=True, fp16=True))
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
     # The loader draws a step's rows at once and the loop cuts them into micro-batches (views).
     real = map_tensors(lambda t: _resized(t, cfg.train.batch_size * cfg.train.grad_accum), example)
-    with FakeTensorMode() as fake:
+    with FakeTensorMode() as fake, _real_device_meshes():
         model = _fake_model(meta, precision.param_dtype, session.device.torch_device)
         batch = map_tensors(fake.from_tensor, real)
         ahead = map_tensors(torch.empty_like, batch)  # the loader copies the next step's batch while a step runs
@@ -87,11 +99,11 @@ def trace_model(meta: torch.nn.Module, loss_fn, cfg: Config, session: Session, e
         held = [*tensors_in(batch), *tensors_in(ahead)]
         tracker = _tracker(job, held, buckets.flat if ddp else None)
         with tracker, _untracked_propagation(tracker):
-            _step(job, cfg, batch, tracker)
-    parts = _breakdown(tracker.get_tracker_snapshot("peak"))
+            phases = _step(job, cfg, batch, tracker)
     inputs = sum(t.untyped_storage().nbytes() for t in held)
     # A one-process tracker files everything registered beside model and optimizer under one name
-    return {**parts, "inputs": inputs, "communication": parts["communication"] + parts["inputs"] - inputs}
+    return {name: {**parts, "inputs": inputs, "communication": parts["communication"] + parts["inputs"] - inputs}
+            for name, parts in phases.items()}
 
 
 class _DDPBuckets:
@@ -229,6 +241,25 @@ def _untracked_propagation(tracker: _GlobalPeak):
         ShardingPropagator._propagate_tensor_meta_non_cached = original
 
 
+@contextmanager
+def _real_device_meshes():
+    """A DeviceMesh holds a small real tensor of ranks; FSDP makes one while it wraps tensor-parallel
+    weights (inside the trace's fake mode, where finding this rank in it cannot run): made outside."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__init__
+
+    def init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            original(self, *args, **kwargs)
+    DeviceMesh.__init__ = init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original
+
+
 def kernel_scratch(func, args) -> int:
     """Bytes a real kernel allocates for itself while it runs, which a fake kernel (shapes only) does not.
 
@@ -274,20 +305,66 @@ def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _step(job: Job, cfg: Config, batch, tracker: MemTracker) -> None:
-    """The loop's step without its finiteness check (a fake tensor has no value to test). Of an
-    accumulating step, two micro-batches are enough: from the second on, each runs with the
-    gradients of those before it held, and the last one synchronises them. (The trackers take a
-    second forward of the model for a new step unless their per-module figures are reset.)"""
+def _step(job: Job, cfg: Config, batch, tracker: MemTracker) -> Phases:
+    """The loop's step without its finiteness check (a fake tensor has no value to test), phase by
+    phase. Of an accumulating step, two micro-batches are enough: from the second on, each runs
+    with the gradients of those before it held, and the last one synchronises them. (The trackers
+    take a second forward of the model for a new step unless their per-module figures are reset.)"""
+    pieces = _Pieces(tracker, job.model)
     micros = micro_batches([batch], cfg.train.batch_size)
     if len(micros) > 1:
         with job.grad_sync(False):
             job.micro_step(job, micros[0], 1 / len(micros))
         tracker.reset_mod_stats()
     forward_backward(job, micros[-1:])
+    pieces.close("forward-backward end")
     clip_gradients(job, cfg.train.grad_clip)
     job.precision.step(job.optimizer, True)
     job.optimizer.zero_grad(set_to_none=True)
+    pieces.close("update")
+    return pieces.found
+
+
+class _Pieces:
+    """The step cut where each block's forward and backward begin and end, where the model's forward
+    ends (inside autocast, whose cache of low-precision weights, a copy per block, goes when it
+    ends) and where its backward begins, with the peak of each piece.
+
+    A piece is named by the boundary that ends it, the block there as one of the first two, the last
+    two or "mid" (in between), and how many pieces of that name came before: the same piece of a
+    model of other depth has the same name (`depth.py` extrapolates them). Within a piece nothing
+    held per block is made or freed, so the point of its peak does not move with depth. The update
+    (clipping and the optimizer step) is one piece: its operators take every parameter at once
+    (foreach), so the same holds for it."""
+
+    def __init__(self, tracker: _GlobalPeak, model: torch.nn.Module):
+        self.tracker, self.found, self.seen = tracker, {}, collections.Counter()
+        model.register_forward_hook(functools.partial(self._after, "model"))
+        blocks = block_units(model)
+        for j, block in enumerate(blocks):
+            where = str(j) if j < 2 else f"end-{len(blocks) - 1 - j}" if j >= len(blocks) - 2 else "mid"
+            block.register_forward_pre_hook(functools.partial(self._before, where))
+            block.register_forward_hook(functools.partial(self._after, where))
+
+    def close(self, name: str) -> None:
+        """Keep the peak since the last boundary as piece `name`, and start the next piece."""
+        self.found[f"{name} #{self.seen[name]}"] = _breakdown(self.tracker.get_tracker_snapshot("peak"))
+        self.seen[name] += 1
+        self.tracker.restart_peak()
+
+    def _before(self, where: str, module, args) -> None:
+        self.close(f"forward {where}")
+        self._on_gradient(args, f"backward end {where}")
+
+    def _after(self, where: str, module, args, output) -> None:
+        self.close(f"forward end {where}")
+        self._on_gradient(output, f"backward {where}")
+
+    def _on_gradient(self, tensors, name: str) -> None:
+        """Close a piece when the gradient of the first of `tensors` that takes one is computed."""
+        needing = [t for t in tensors_in(tensors) if t.requires_grad]
+        if needing and torch.is_grad_enabled():
+            needing[0].register_hook(lambda grad: self.close(name))
 
 
 def _breakdown(snapshot: dict) -> dict[str, int]:
