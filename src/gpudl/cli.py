@@ -78,8 +78,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", nargs="?", help="run folder (default: the newest under runs/)")
     p.add_argument("--out", help="output file (default: RUN_DIR/model.safetensors)")
     _plan_parser(sub)
+    _serve_parser(sub, common)
     _bench_parsers(sub)
     return parser
+
+
+def _serve_parser(sub, common) -> None:
+    p = sub.add_parser("serve", parents=[common], help="answer inference requests over HTTP (Open Inference "
+                                                        "Protocol v2; OpenAI API for GPT models)")
+    p.add_argument("model", nargs="?", help="a run folder or a folder `gpudl export` wrote (default: the newest run)")
+    p.add_argument("--precision", help="auto (bf16 where the device has it, else fp32) | fp32 | bf16 | fp16")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (anything but loopback needs --api-key)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch-size", type=int, default=32, help="rows (classifiers) or sequences (GPT) per call")
+    p.add_argument("--max-queue-delay-ms", type=float, default=5.0,
+                   help="classifiers: how long a batch waits to fill after its first request")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting at most; more are answered 503")
+    p.add_argument("--request-timeout-s", type=float, default=60.0, help="a request still queued after this: 504")
+    p.add_argument("--api-key", help="requests must send it (Authorization: Bearer KEY); or set GPUDL_API_KEY")
+    p.add_argument("--name", help="what clients call the model (default: its preset's name, e.g. gpt-tiny)")
 
 
 def _plan_parser(sub) -> None:

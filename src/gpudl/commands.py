@@ -159,6 +159,15 @@ def cmd_export(args, console: Console) -> int:
     return 0
 
 
+def cmd_serve(args, console: Console) -> int:
+    from .serve.server import ServeOptions, serve
+
+    return serve(ServeOptions(path=args.model, host=args.host, port=args.port, device=args.device or "auto",
+                              precision=args.precision or "auto", max_batch_size=args.max_batch_size,
+                              max_queue_delay_ms=args.max_queue_delay_ms, max_queue=args.max_queue,
+                              api_key=args.api_key, request_timeout_s=args.request_timeout_s, name=args.name), console)
+
+
 def cmd_plan(args, console: Console) -> int:
     from .memory.plan import local_machine, parse_size, plan, target_machine
     from .memory.report import plan_json, plan_table, why

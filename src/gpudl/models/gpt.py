@@ -62,11 +62,42 @@ class Attention(nn.Module):
         self.wo = nn.Linear(c, c, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, C)
-        b, t, _ = x.shape
-        # (B, H, T, D); H is the local head count, which tensor parallelism divides.
-        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = self._heads(x)
         y = self.kernel(q, k, v, self.dropout if self.training else 0.0)
+        return self._merge(y)
+
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, T, C) -> q, k, v, each (B, H, T, D); H is the local head count, which tensor parallelism divides."""
+        b, t, _ = x.shape
+        return tuple(w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+
+    def _merge(self, y: torch.Tensor) -> torch.Tensor:  # (B, H, T, D) -> (B, T, C)
+        b, _, t, _ = y.shape
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+    def prefill(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Causal attention over one whole prompt x (1, T, C), keeping its keys and values in the
+        slot's caches (H, block_size, D) at positions 0..T-1. Inference only (no dropout)."""
+        q, k, v = self._heads(x)  # (1, H, T, D)
+        t = x.shape[1]
+        k_cache[:, :t], v_cache[:, :t] = k[0], v[0]
+        return self._merge(self.kernel(q, k, v, 0.0))
+
+    def decode(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence: x (N, 1, C) at positions pos (N,), sequence i in cache slot i.
+
+        k_cache, v_cache: (slots, H, block_size, D). Each row's key and value go in at its own
+        position, then every row attends to its keys 0..pos[i] through mask (N, 1, 1, L), where L
+        is the longest row's length: rows of different lengths share one SDPA call.
+        """
+        q, k, v = self._heads(x)  # (N, H, 1, D)
+        n, length = x.shape[0], mask.shape[-1]
+        rows = torch.arange(n, device=x.device)
+        k_cache[rows, :, pos], v_cache[rows, :, pos] = k[:, :, 0], v[:, :, 0]  # (N, H, D) each
+        # SDPA itself, not the `kernel` slot: the kernels measured for training are causal-only, with no mask.
+        y = F.scaled_dot_product_attention(q, k_cache[:n, :, :length], v_cache[:n, :, :length], attn_mask=mask)
+        return self._merge(y)  # (N, 1, C)
 
 
 class MLP(nn.Module):
@@ -91,6 +122,11 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         x = x + self.drop(self.attn(self.norm1(x)))
         return x + self.drop(self.mlp(self.norm2(x)))
+
+    def cached(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """The block for generation: `attend` is this block's attention with its cache bound (no dropout)."""
+        x = x + attend(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
 
 
 class GPT(nn.Module):
@@ -153,6 +189,58 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return lm_loss(logits, targets)
+
+    # Generation with a KV cache (inference only: no dropout, the whole model in one process).
+
+    def prefill(self, idx: torch.Tensor, cache: KVCache, slot: int) -> torch.Tensor:
+        """Run one prompt idx (1, T) causally, keeping its keys and values in cache slot `slot`;
+        returns the logits (1, V) of its last position."""
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))  # (1, T, C)
+        for i, block in enumerate(self.blocks.values()):
+            k, v = cache.k[i, slot], cache.v[i, slot]  # (H, block_size, D)
+            x = block.cached(x, lambda h, a=block.attn, k=k, v=v: a.prefill(h, k, v))
+        return self.lm_head(self.norm(x[:, -1]))
+
+    def decode(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One step for the sequences in cache slots 0..N-1: tokens (N,) at positions pos (N,),
+        each the length of its sequence so far; returns the next-token logits (N, V)."""
+        x = (self.wte(tokens) + self.wpe(pos))[:, None]  # (N, 1, C)
+        length = int(pos.max()) + 1  # one host sync per step; the sampler reads the logits right after anyway
+        # (N, 1, 1, L): row i sees keys 0..pos[i]; the rest of the slot is an earlier sequence's or zeros.
+        mask = (torch.arange(length, device=pos.device) <= pos[:, None])[:, None, None]
+        for i, block in enumerate(self.blocks.values()):
+            k, v = cache.k[i], cache.v[i]  # (slots, H, block_size, D)
+            x = block.cached(x, lambda h, a=block.attn, k=k, v=v: a.decode(h, k, v, pos, mask))
+        return self.lm_head(self.norm(x[:, 0]))
+
+
+class KVCache:
+    """Keys and values of up to `slots` sequences, preallocated for their whole context.
+
+    k, v: (layers, slots, heads, block_size, head_dim). Preallocated rather than a tensor per
+    request, because: the memory is known when a server starts (it fails then, not under load);
+    a decoding step of N sequences reads one view of slots 0..N-1 instead of stacking N caches
+    anew every step (a copy of the whole cache per token); and a sequence leaving costs one move
+    (the last slot's sequence into the freed slot, `move`), joining nothing beyond its prefill.
+    The price: every slot holds room for block_size tokens, used or not.
+    Zeros at first: masked positions get zero weight, and zero times a stale finite value is
+    zero, where uninitialised memory could hold NaN.
+    """
+
+    def __init__(self, cfg: GPTConfig, slots: int, device: torch.device, dtype: torch.dtype):
+        shape = (cfg.n_layer, slots, cfg.n_head, cfg.block_size, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` positions of slot src to slot dst (a sequence changes slot)."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,237 @@
+"""`gpudl serve`'s HTTP face (FastAPI): the Open Inference Protocol v2 of KServe and Triton for every
+model, the OpenAI API for GPT models, Prometheus metrics. The routes only translate: the wire
+formats are `oip.py` and `openai_api.py`, the batching is the engine's (`engine.py`), and the key
+and body limit are checked before any route runs (`guard.py`).
+
+Anything a client sent wrong is a 4xx with `{"error": ...}` naming the field (OpenAI routes: the
+OpenAI error shape); a full queue is 503 with Retry-After, a request that waited past its
+deadline 504. A 500 would be a bug in gpudl, never a client's doing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from . import oip, oip_reply, openai_api
+from .engine import BadInput, DeadlineExceeded, EngineStopped, QueueFull
+from .metrics import Metrics
+
+RETRY_AFTER_S = 1
+OIP_TOKENS = 64          # bytes a GPT adds to a text_input over the Open Inference Protocol
+CHAT_STOP = "\nuser:"   # a chat answer ends where the model starts the user's next turn
+
+
+@dataclass
+class Served:
+    """What the app serves: filled in once the model has loaded (`ready`)."""
+
+    name: str
+    request_timeout_s: float = 60.0
+    max_body_bytes: int = 64 * 2**20
+    loaded: object | None = None          # load.Loaded
+    engine: object | None = None          # BatchingEngine or GenerationEngine
+    metrics: Metrics | None = None
+    key_required: bool = False
+    server: object | None = None          # the uvicorn server, told to exit when loading fails
+    started: float = field(default_factory=time.time)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+
+def create_app(served: Served, lifespan=None) -> FastAPI:
+    app = FastAPI(title="gpudl", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.served = served
+    _error_handlers(app)
+    _oip_routes(app, served)
+    _openai_routes(app, served)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(served.metrics.text(), media_type="text/plain; version=0.0.4")
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(oip.ProtocolError)
+    async def protocol(request: Request, e: oip.ProtocolError):
+        return _error(request, e.status, e.message, param=e.param, code=e.code)
+
+    @app.exception_handler(BadInput)
+    async def bad_input(request: Request, e: BadInput):
+        return _error(request, 400, str(e))
+
+    @app.exception_handler(QueueFull)
+    async def full(request: Request, e: QueueFull):
+        return _error(request, 503, "the queue is full: retry after a second", {"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(DeadlineExceeded)
+    async def late(request: Request, e: DeadlineExceeded):
+        return _error(request, 504, "the request waited past its deadline in the queue")
+
+    @app.exception_handler(EngineStopped)
+    async def stopping(request: Request, e: EngineStopped):
+        return _error(request, 503, "the server is shutting down", {"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(HTTPException)
+    async def http(request: Request, e: HTTPException):
+        return _error(request, e.status_code, str(e.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        return _error(request, 400, "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()))
+
+
+def _error(request: Request, status: int, message: str, headers: dict | None = None, param: str | None = None,
+           code: str | None = None) -> JSONResponse:
+    body = openai_api.openai_error(message, _openai_type(status), param, code) \
+        if request.url.path.startswith("/v1/") else oip_reply.error_body(message)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _openai_type(status: int) -> str:
+    return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            413: "invalid_request_error", 503: "server_error", 504: "timeout"}.get(status, "server_error")
+
+
+def _model(served: Served, name: str):
+    if name != served.name:
+        raise oip.ProtocolError(404, f"unknown model {name!r}: this server serves {served.name!r}")
+    if not served.ready:
+        raise oip.ProtocolError(503, f"model {name!r} is still loading")
+    return served.loaded
+
+
+def _oip_routes(app: FastAPI, served: Served) -> None:
+    @app.get("/v2/health/live")
+    def live():
+        return {"live": True}
+
+    @app.get("/v2/health/ready")
+    def ready():
+        if not served.ready:
+            return JSONResponse({"ready": False}, status_code=503)
+        return {"ready": True}
+
+    @app.get("/v2")
+    def server():
+        return oip_reply.server_metadata()
+
+    @app.get("/v2/models/{name}")
+    @app.get("/v2/models/{name}/versions/{version}")
+    def metadata(name: str, version: str = "1"):
+        loaded = _model(served, name)
+        return oip_reply.model_metadata(name, ["1"], "pytorch_gpudl", loaded.inputs, loaded.outputs)
+
+    @app.get("/v2/models/{name}/ready")
+    @app.get("/v2/models/{name}/versions/{version}/ready")
+    def model_ready(name: str, version: str = "1"):
+        _model(served, name)
+        return {"name": name, "ready": True}
+
+    @app.post("/v2/models/{name}/infer")
+    @app.post("/v2/models/{name}/versions/{version}/infer")
+    async def infer(name: str, request: Request, version: str = "1"):
+        arrived = time.monotonic()
+        loaded = _model(served, name)
+        header = request.headers.get("inference-header-content-length")
+        parsed = oip.parse_infer_request(await request.body(), int(header) if header and header.isdigit() else None,
+                                         {s.name: s for s in loaded.inputs}, max_body_bytes=served.max_body_bytes,
+                                         output_names=[s.name for s in loaded.outputs])
+        deadline = arrived + served.request_timeout_s
+        given = parsed.inputs[loaded.inputs[0].name]
+        if loaded.kind == "gpt":
+            answer = await _texts(served, given, deadline)
+        else:
+            answer = (await served.engine.infer(torch.from_numpy(given), deadline=deadline)).float().numpy()
+        body, headers = oip_reply.encode_infer_response(name, "1", parsed.id, {loaded.outputs[0].name: answer},
+                                                  parsed.outputs, binary_default=parsed.binary_data_output)
+        served.metrics.latency.labels("infer").observe(time.monotonic() - arrived)
+        return Response(body, headers=headers, media_type=headers.get("Content-Type", "application/json"))
+
+
+async def _texts(served: Served, prompts: np.ndarray, deadline: float) -> np.ndarray:
+    """GPT over the Open Inference Protocol: each text_input element continued greedily by
+    OIP_TOKENS bytes (the OpenAI routes take sampling settings)."""
+    from .generation import Sampling
+
+    greedy = Sampling(max_tokens=OIP_TOKENS, temperature=0.0)
+    done = await asyncio.gather(*(served.engine.complete(list(bytes(p)), greedy, deadline=deadline)
+                                  for p in prompts.reshape(-1)))
+    return np.array([bytes(ids) for ids, _ in done], dtype=object).reshape(prompts.shape)
+
+
+def _openai_routes(app: FastAPI, served: Served) -> None:
+    @app.get("/v1/models")
+    def models():
+        return openai_api.models_list([served.name] if served.loaded is None or served.loaded.kind == "gpt" else [])
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(served, await request.body(), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _generate(served, await request.body(), chat=True)
+
+
+async def _generate(served: Served, body: bytes, chat: bool):
+    from .generation import Sampling
+
+    if not served.ready:
+        raise oip.ProtocolError(503, f"model {served.name!r} is still loading")
+    if served.loaded.kind != "gpt":
+        raise oip.ProtocolError(404, f"model {served.name!r} is a classifier: it answers /v2/models/{served.name}/infer, "
+                                     f"not the OpenAI API")
+    arrived = time.monotonic()
+    parse = openai_api.parse_chat if chat else openai_api.parse_completion
+    req = parse(body, served.loaded.context_length, served.name)
+    stop = [*req.stop, CHAT_STOP] if chat and CHAT_STOP not in req.stop else req.stop
+    sampling = Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k or 0,
+                        top_p=req.top_p, stop=tuple(stop), seed=req.seed)
+    prompt = list(req.prompt.encode("utf-8"))
+    deadline = arrived + served.request_timeout_s
+    if req.stream:  # queued now: a refusal (400, 503) is still a status, before the stream's 200 goes out
+        items = served.engine.stream(prompt, sampling, deadline=deadline)
+        return StreamingResponse(_stream(served, req, len(prompt), items, chat, arrived),
+                                 media_type="text/event-stream")
+    ids, finish = await served.engine.complete(prompt, sampling, deadline=deadline)
+    served.metrics.tokens.inc(len(ids))
+    served.metrics.latency.labels("chat" if chat else "completions").observe(time.monotonic() - arrived)
+    text = bytes(ids).decode("utf-8", errors="replace")
+    respond = openai_api.chat_response if chat else openai_api.completion_response
+    return respond(served.name, text, finish, len(prompt), len(ids))
+
+
+async def _stream(served: Served, req, prompt_tokens: int, items, chat: bool, arrived: float):
+    """Server-sent events: one chunk per decoded piece of text, the finish reason, then [DONE]."""
+    chunks = openai_api.chat_chunks if chat else openai_api.completion_chunks
+    stream = chunks(served.name)
+    decoder = openai_api.Utf8Stream()
+    first, produced = True, 0
+    async for token, finish in items:
+        if first:
+            served.metrics.first_token.observe(time.monotonic() - arrived)
+            first = False
+        if token is not None:
+            produced += 1
+            served.metrics.tokens.inc()
+            text = decoder.feed(bytes([token]))
+            if text:
+                yield stream.delta(text)
+        if finish is not None:
+            yield stream.finish(finish, decoder.flush())
+            if req.include_usage:
+                yield stream.usage(prompt_tokens, produced)
+    served.metrics.latency.labels("chat" if chat else "completions").observe(time.monotonic() - arrived)
+    yield openai_api.SSE_DONE

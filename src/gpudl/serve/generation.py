@@ -1,0 +1,317 @@
+"""Text generation with a KV cache and continuous (iteration-level) batching, for gpudl's GPT.
+
+The worker repeats: admit waiting requests into free cache slots (each prompt prefilled on its
+own, causally, which also gives its first token), then one decoding step for every running
+sequence at once. A request that arrives mid-generation therefore joins at the next step, and one
+that finishes leaves at once and frees its slot (Orca's iteration-level scheduling, as vLLM and
+TGI do it). Sampling happens per sequence with its own generator, on the CPU, so a seeded
+request draws the same numbers whichever requests share its steps and whichever device runs it.
+
+>>> import asyncio, torch
+>>> from gpudl import models
+>>> gpt = models.build(models.resolve("gpt-tiny", {"n_layer": 1, "d_model": 16, "n_head": 2}), torch.device("cpu"))
+>>> engine = GenerationEngine(gpt, "cpu", max_batch_size=2); engine.start()
+>>> ids, finish = asyncio.run(engine.complete([72, 105], Sampling(max_tokens=3, temperature=0)))
+>>> len(ids), finish
+(3, 'length')
+>>> asyncio.run(engine.stop())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UserError
+from ..models.gpt import GPT, KVCache
+from .engine import BadInput, DeadlineExceeded, Engine, EngineStopped, Request, call_soon, param_dtype
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one request is sampled. Checked when made: a bad value raises BadInput naming its field."""
+
+    max_tokens: int = 16               # new tokens at most (>= 1)
+    temperature: float = 1.0           # 0: greedy (argmax)
+    top_k: int = 0                     # keep the k most likely tokens; 0: all
+    top_p: float = 1.0                 # keep the most likely tokens up to this probability mass; 1: all
+    stop: tuple[str | bytes, ...] = ()  # generation ends when the new text ends with one; it is not returned
+    seed: int | None = None            # the request's own generator; None: a fresh random seed
+
+    def __post_init__(self):
+        if type(self.max_tokens) is not int or self.max_tokens < 1:
+            raise BadInput("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise BadInput("temperature", f"must be a number >= 0 (0: greedy), got {self.temperature!r}")
+        if type(self.top_k) is not int or self.top_k < 0:
+            raise BadInput("top_k", f"must be an integer >= 0 (0: off), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise BadInput("top_p", f"must be a number in (0, 1] (1: off), got {self.top_p!r}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, (str, bytes)) and s for s in self.stop):
+            raise BadInput("stop", f"must be non-empty strings, got {self.stop!r}")
+        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < 2**63):
+            raise BadInput("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
+
+    def stop_bytes(self) -> tuple[bytes, ...]:
+        return tuple(s.encode("utf-8") if isinstance(s, str) else s for s in self.stop)
+
+
+def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """One token id from logits (V,) in fp32 on the CPU: argmax at temperature 0, else temperature,
+    then top-k, then top-p (nucleus), then a draw from `generator`."""
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / sampling.temperature
+    if 0 < sampling.top_k < logits.numel():
+        kth = torch.topk(logits, sampling.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)  # (V,)
+    if sampling.top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        # Keep a token while the mass of the more likely ones is below top_p: the smallest such set (>= 1 token).
+        sorted_p[(sorted_p.cumsum(0) - sorted_p) >= sampling.top_p] = 0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class _Generate(Request):
+    def __init__(self, loop: asyncio.AbstractEventLoop, deadline: float | None, prompt: list[int], sampling: Sampling):
+        super().__init__(loop, deadline)
+        self.prompt, self.sampling = prompt, sampling
+        self.queue: asyncio.Queue = asyncio.Queue()  # (token | None, finish | None) items, or an exception
+
+
+class _Sequence:
+    """A running request, as the worker keeps it: its slot is its index in the running list."""
+
+    def __init__(self, request: _Generate):
+        self.request, self.sampling = request, request.sampling
+        self.stops = request.sampling.stop_bytes()
+        self.generator = torch.Generator()
+        if self.sampling.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(self.sampling.seed)
+        self.ids: list[int] = []      # generated so far
+        self.released = 0             # of which handed to the caller (the rest may yet be a stop text)
+        self.length = len(request.prompt)  # tokens in the cache
+        self.finish: str | None = None
+
+    @property
+    def last(self) -> int:
+        """The newest token: the one the next decoding step feeds (not yet in the cache)."""
+        return self.ids[-1]
+
+    def accept(self, token: int, block_size: int) -> list[int]:
+        """Take a new token; returns the tokens the caller may now see, and sets `finish` when done."""
+        self.ids.append(token)
+        upto = len(self.ids)
+        if self.stops:
+            text = bytes(self.ids)
+            hit = next((s for s in self.stops if text.endswith(s)), None)
+            if hit is not None:
+                self.finish, upto = "stop", len(self.ids) - len(hit)
+            else:  # hold back a tail that may still become a stop text
+                upto -= max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        if self.finish is None and (len(self.ids) >= self.sampling.max_tokens or self.length + 1 >= block_size):
+            self.finish, upto = "length", len(self.ids)  # the context or max_tokens is full: release all
+        out = self.ids[self.released:upto]
+        self.released = max(self.released, upto)
+        return out
+
+
+class GenerationEngine(Engine):
+    """Generates for many requests at once with gpudl's GPT; requests join and leave between steps.
+
+    Up to `max_batch_size` sequences run at once (each holds a KV cache slot); up to `max_queue`
+    more wait. Tokens are streamed as they are made.
+    """
+
+    def __init__(self, model: GPT, device: torch.device | str, *, max_batch_size: int = 16, max_queue: int = 256,
+                 dtype: torch.dtype | None = None):
+        super().__init__(model, device, max_batch_size, max_queue)
+        if not isinstance(model, GPT):
+            raise TypeError(f"GenerationEngine runs gpudl's GPT, got {type(model).__name__}")
+        self.cfg = model.cfg
+        self.dtype = dtype or param_dtype(model)
+        try:
+            self.cache = KVCache(model.cfg, max_batch_size, self.device, self.dtype)
+        except torch.OutOfMemoryError as e:
+            raise UserError(f"the KV cache for max_batch_size={max_batch_size} sequences of {self.cfg.block_size} "
+                            f"tokens does not fit on {self.device}: lower --max-batch-size") from e
+        self._running: list[_Sequence] = []
+
+    def stream(self, prompt_ids: list[int], sampling: Sampling,
+               deadline: float | None = None) -> AsyncIterator[tuple[int | None, str | None]]:
+        """Queue a request now (BadInput, QueueFull, EngineStopped are raised here, before any token)
+        and return its items: (token, None) per token as made, then (None, "stop" | "length").
+
+        Call from a coroutine (the items arrive on the running event loop).
+        """
+        self._check(prompt_ids, sampling)
+        request = _Generate(asyncio.get_running_loop(), deadline, list(prompt_ids), sampling)
+        self._submit(request)
+        return _Stream(request)
+
+    def generate(self, prompt_ids: list[int], sampling: Sampling, deadline: float | None = None) -> AsyncIterator[int]:
+        """The new token ids as they are made (queued now, as `stream`)."""
+        items = self.stream(prompt_ids, sampling, deadline)
+
+        async def tokens():
+            async for token, _ in items:
+                if token is not None:
+                    yield token
+        return tokens()
+
+    async def complete(self, prompt_ids: list[int], sampling: Sampling,
+                       deadline: float | None = None) -> tuple[list[int], str]:
+        """All new token ids and the finish reason, "stop" (a stop text; not included) or "length"."""
+        ids, finish = [], "length"
+        async for token, why in self.stream(prompt_ids, sampling, deadline):
+            if token is not None:
+                ids.append(token)
+            finish = why or finish
+        return ids, finish
+
+    def _check(self, prompt_ids, sampling) -> None:
+        if not isinstance(sampling, Sampling):
+            raise TypeError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+        vocab, block = self.cfg.vocab_size, self.cfg.block_size
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise BadInput("prompt", "is empty: send at least one token")
+        if not all(type(t) is int and 0 <= t < vocab for t in prompt_ids):
+            raise BadInput("prompt", f"token ids must be integers in [0, {vocab}) for this model")
+        if len(prompt_ids) >= block:
+            raise BadInput("prompt", f"{len(prompt_ids)} tokens leave no room for a new one in this model's "
+                                     f"context of {block}: send at most {block - 1}")
+        if sampling.stop and vocab != 256:
+            raise BadInput("stop", f"stop texts need a byte-level model (vocab 256); this one has vocab {vocab}")
+
+    def _run(self) -> None:
+        while True:
+            self._admit()
+            if self._abort:
+                for seq in self._running:
+                    self._answer(seq.request, error=EngineStopped("the engine stopped before this request finished"))
+                self._running = []
+                return
+            if not self._running:
+                with self._cond:
+                    if not self._pending:
+                        if self._finished():
+                            return
+                        self._cond.wait()
+                continue
+            self._step()
+
+    def _admit(self) -> None:
+        """Prefill waiting requests into free slots, one prompt at a time (causal, no padding)."""
+        while len(self._running) < self.max_batch_size:
+            with self._cond:
+                if not self._pending or self._abort:
+                    return
+                request = self._pending.popleft()
+            if request.cancelled:
+                continue
+            if request.expired(time.monotonic()):
+                self._answer(request, error=DeadlineExceeded(
+                    f"waited {time.monotonic() - request.arrived:.3f} s in the queue, past its deadline: "
+                    f"retry, or allow more time"))
+                continue
+            seq, slot = _Sequence(request), len(self._running)
+            ids = torch.tensor([request.prompt], device=self.device)  # (1, P)
+            try:
+                logits = self.model.prefill(ids, self.cache, slot).float().cpu()  # (1, V)
+            except Exception as e:  # this prompt failed (out of memory, say): the running ones go on
+                self._answer(request, error=e)
+                continue
+            self._advance(seq, logits[0])
+            if seq.finish is None:
+                self._running.append(seq)
+
+    def _step(self) -> None:
+        """One new token for every running sequence; the finished ones leave their slots."""
+        running = self._running
+        tokens = torch.tensor([s.last for s in running], device=self.device)  # (N,)
+        pos = torch.tensor([s.length for s in running], device=self.device)  # (N,)
+        try:
+            logits = self.model.decode(tokens, pos, self.cache).float().cpu()  # (N, V)
+        except Exception as e:
+            for s in running:
+                self._answer(s.request, error=e)
+            self._running = []
+            return
+        self._note_batch(len(running))  # GPT's batch size: sequences per decoding step (prefills run alone)
+        for i, s in enumerate(running):
+            s.length += 1
+            self._advance(s, logits[i])
+        for i in reversed(range(len(running))):
+            if running[i].finish is not None or running[i].request.cancelled:
+                self._leave(i)
+
+    def _leave(self, i: int) -> None:
+        """Free slot i by moving the last running sequence into it (slots stay 0..N-1)."""
+        last = len(self._running) - 1
+        if i != last:
+            self.cache.move(last, i, self._running[last].length)
+            self._running[i] = self._running[last]
+        self._running.pop()
+
+    def _advance(self, seq: _Sequence, logits: torch.Tensor) -> None:
+        """Sample seq's next token from logits (V,) and hand the caller what it may now see."""
+        if seq.request.cancelled:
+            seq.finish = "cancelled"
+            return
+        visible = seq.accept(sample(logits, seq.sampling, seq.generator), self.cfg.block_size)
+        self.stats.tokens += 1
+        items = [(t, None) for t in visible]
+        if seq.finish is not None:
+            items.append((None, seq.finish))
+            self._answer(seq.request, items)
+        else:
+            call_soon(seq.request.loop, self._settle, seq.request, items, None)
+
+    def _settle(self, request: _Generate, items, error) -> None:
+        for item in ([error] if error is not None else items):
+            request.queue.put_nowait(item)
+
+
+class _Stream:
+    """The async iterator `GenerationEngine.stream` returns; leaving it early cancels the request."""
+
+    def __init__(self, request: _Generate):
+        self.request, self.done = request, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> tuple[int | None, str | None]:
+        if self.done:
+            raise StopAsyncIteration
+        try:
+            item = await self.request.queue.get()
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        self.done = item[1] is not None
+        return item
+
+    def close(self) -> None:
+        """Stop generating for this request (the worker drops it at its next step)."""
+        if not self.done:
+            self.request.cancelled, self.done = True, True
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
