@@ -11,7 +11,7 @@ One worker thread per engine: the model runs on one device, and torch releases t
 its kernels, so the event loop keeps parsing and answering requests while a batch runs.
 
 >>> import asyncio, torch
->>> from gpudl.serve.engine import BatchingEngine
+>>> from gpudl.serve.batching import BatchingEngine
 >>> engine = BatchingEngine(torch.nn.Flatten(), torch.device("cpu")); engine.start()
 >>> asyncio.run(engine.infer(torch.ones(1, 1, 2, 2))).shape
 torch.Size([1, 4])

@@ -12,9 +12,8 @@ read lies inside the model folder: names with `..` and links that lead out of it
 run's training data is never read (its `data.path` may be absolute and on another machine): the
 model's shape comes from the weights' metadata or the checkpoint's own record of it.
 
->>> loaded = load_model("runs/gpt-tiny")           # doctest: +SKIP
->>> loaded.kind, loaded.context_length             # doctest: +SKIP
-('gpt', 128)
+For example, `load_model("runs/gpt-tiny-20261203-120000")` gives a `Loaded` whose `kind` is
+"gpt" and whose `context_length` is the model's block size.
 """
 
 from __future__ import annotations

@@ -1,0 +1,161 @@
+"""How much does batching buy `gpudl serve`? A concurrency sweep on loopback, batching on and off.
+
+For a ResNet (Open Inference Protocol, one image a request) and a GPT (OpenAI completions, greedy,
+a fixed number of tokens a request): `gpudl serve` with batching (dynamic for the ResNet,
+continuous with a KV cache for the GPT), the same server with --max-batch-size 1 (one request at a
+time: batch-1 serving), and beside them a plain FastAPI endpoint that calls the model once per
+request (the baseline LitServe and Triton compare themselves with). Clients are asyncio tasks on
+httpx, each sending its next request when its last is answered, for a fixed time per point.
+Printed: throughput (images/s or tokens/s), p50 and p99 latency, errors, and the ratios the
+goals are stated in (ResNet with batching >= 4x the throughput of batch-1 serving at p99 <= 2x
+its latency; GPT >= 4x the tokens/s of one request at a time at 16 streams).
+
+    python benchmarks/serve_load.py                       # both models, concurrency 1 4 16 64
+    python benchmarks/serve_load.py --models resnet --seconds 5 --concurrency 1 16
+
+The models are randomly initialised (throughput does not depend on the weights' values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+TOKENS = 32            # generated per GPT request
+IMAGE = 32             # ResNet input: (1, 3, IMAGE, IMAGE)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def export(kind: str, folder: Path) -> Path:
+    """A randomly initialised preset, written as `gpudl export` does, with its config beside it."""
+    import dataclasses
+
+    from gpudl import models
+    from gpudl.checkpoint import export_safetensors
+    from gpudl.config import load_config
+
+    sets = ["model.name=resnet18", f"data.image_size={IMAGE}", "data.kind=images"] if kind == "resnet" else \
+        ["model.name=gpt-tiny"]
+    cfg = load_config(None, sets)
+    spec = models.resolve(cfg.model.name, cfg.model.overrides)
+    model = models.build(spec, "cpu")
+    model.init_weights()
+    folder.mkdir(parents=True)
+    meta = {"gpudl_model": spec.name, "config": json.dumps(dataclasses.asdict(spec.config)), "step": "0"}
+    export_safetensors(model, folder / "model.safetensors", meta)
+    (folder / "config.toml").write_text(cfg.to_toml())
+    return folder
+
+
+def start(argv: list[str], url: str) -> subprocess.Popen:
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        try:
+            if httpx.get(url + "/v2/health/ready", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"{argv} did not become ready: {proc.stderr.read()}")
+
+
+def request_for(kind: str, name: str, style: str):
+    """(path, JSON body, units of work an answer carries) for one request."""
+    if kind == "resnet":
+        body = {"inputs": [{"name": "input", "shape": [1, 3, IMAGE, IMAGE], "datatype": "FP32",
+                            "data": np.random.default_rng(0).standard_normal(3 * IMAGE * IMAGE).round(3).tolist()}]}
+        return (f"/v2/models/{name}/infer" if style != "plain" else "/infer"), body, 1
+    body = {"model": name, "prompt": "def main():\n", "max_tokens": TOKENS, "temperature": 0}
+    return ("/v1/completions" if style != "plain" else "/generate"), body, TOKENS
+
+
+async def load(url: str, path: str, body: dict, units: int, concurrency: int, seconds: float) -> dict:
+    latencies, errors = [], 0
+    end = time.monotonic() + seconds
+
+    async def client(http: httpx.AsyncClient):
+        nonlocal errors
+        while time.monotonic() < end:
+            t0 = time.monotonic()
+            try:
+                ok = (await http.post(path, json=body)).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                latencies.append(time.monotonic() - t0)
+            else:
+                errors += 1
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
+        t0 = time.monotonic()
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        took = time.monotonic() - t0
+    q = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [float("nan")] * 99
+    return {"throughput": len(latencies) * units / took, "p50_ms": 1e3 * q[49], "p99_ms": 1e3 * q[98],
+            "errors": errors, "answered": len(latencies)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["resnet", "gpt"], choices=["resnet", "gpt"])
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64])
+    ap.add_argument("--seconds", type=float, default=8.0, help="per point")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gpudl-serve-load-") as tmp:
+        for kind in args.models:
+            folder = export(kind, Path(tmp) / kind)
+            name = "resnet18" if kind == "resnet" else "gpt-tiny"
+            for style in ("batching", "batch-1", "plain"):
+                port = _port()
+                url = f"http://127.0.0.1:{port}"
+                argv = [sys.executable, "-m", "gpudl", "serve", str(folder), "--port", str(port), "--device", "cpu"]
+                argv += {"batching": [], "batch-1": ["--max-batch-size", "1"],
+                         "plain": None}[style] or []
+                if style == "plain":
+                    argv = [sys.executable, str(Path(__file__).parent / "serve_plain.py"), str(folder), str(port)]
+                proc = start(argv, url)
+                try:
+                    path, body, units = request_for(kind, name, style)
+                    for c in args.concurrency:
+                        r = asyncio.run(load(url, path, body, units, c, args.seconds))
+                        rows.append({"model": kind, "server": style, "concurrency": c, **r})
+                        print(f"{kind:6} {style:9} c={c:<3} {r['throughput']:9.1f} {'img/s' if kind == 'resnet' else 'tok/s'}"
+                              f"  p50 {r['p50_ms']:8.1f} ms  p99 {r['p99_ms']:8.1f} ms  errors {r['errors']}", flush=True)
+                finally:
+                    proc.terminate()
+                    proc.wait(timeout=60)
+    _ratios(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+def _ratios(rows: list[dict]) -> None:
+    at = {(r["model"], r["server"], r["concurrency"]): r for r in rows}
+    for (model, server, c), r in sorted(at.items()):
+        one = at.get((model, "batch-1", c))
+        if server == "batching" and one:
+            print(f"{model} at concurrency {c}: batching {r['throughput'] / one['throughput']:.2f}x the throughput "
+                  f"of batch-1 serving, p99 {r['p99_ms'] / one['p99_ms']:.2f}x its latency")
+
+
+if __name__ == "__main__":
+    main()
