@@ -286,3 +286,16 @@ def test_sigterm_finishes_the_stream_in_flight_then_exits(tmp_path):
 def test_a_folder_that_is_no_model_is_one_line_and_exit_2(tmp_path):
     done = run_cli("serve", str(tmp_path), "--port", str(_free_port()), timeout=60)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_while_the_model_loads_only_liveness_answers_200():
+    from fastapi.testclient import TestClient
+
+    from gpudl.serve.app import Served, create_app
+
+    client = TestClient(create_app(Served(name="gpt-tiny")))  # what the server answers before loading ends
+    assert client.get("/v2/health/live").status_code == 200
+    for path in ("/v2/health/ready", "/v2/models/gpt-tiny/ready", "/metrics"):
+        assert client.get(path).status_code == 503, path
+    assert client.post("/v1/completions", json={"model": "gpt-tiny", "prompt": "x"}).status_code == 503
+    assert client.get("/v1/models").json()["data"] == []

@@ -58,6 +58,8 @@ def create_app(served: Served, lifespan=None) -> FastAPI:
 
     @app.get("/metrics")
     def metrics() -> Response:
+        if served.metrics is None:
+            raise oip.ProtocolError(503, f"model {served.name!r} is still loading: no metrics yet")
         return Response(served.metrics.text(), media_type="text/plain; version=0.0.4")
     return app
 
@@ -174,7 +176,7 @@ async def _texts(served: Served, prompts: np.ndarray, deadline: float) -> np.nda
 def _openai_routes(app: FastAPI, served: Served) -> None:
     @app.get("/v1/models")
     def models():
-        return openai_api.models_list([served.name] if served.loaded is None or served.loaded.kind == "gpt" else [])
+        return openai_api.models_list([served.name] if served.ready and served.loaded.kind == "gpt" else [])
 
     @app.post("/v1/completions")
     async def completions(request: Request):
