@@ -30,9 +30,10 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
+from ..device.accel import rng_state, set_rng_state
 from ..distributed.agree import broadcast_json
 from ..errors import UserError
-from .files import PREFIX, check_like, complete_checkpoints, manifest, verify
+from .files import PREFIX, complete_checkpoints, manifest, verify
 from .reader import (METADATA_FILE, SafeLoadPlanner, SafeReader, UnsafeCheckpointFile, check_byte_entries,
                      check_storage_files, read_metadata_file)
 
@@ -56,15 +57,15 @@ def _rank() -> int:
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
-    if device.type in ("cuda", "xpu"):
-        state["device"] = torch.get_device_module(device.type).get_rng_state(device)
+    if (on_device := rng_state(device)) is not None:
+        state["device"] = on_device
     return state
 
 
 def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
     torch.set_rng_state(state["cpu"])
     if "device" in state:
-        torch.get_device_module(device.type).set_rng_state(state["device"], device)
+        set_rng_state(device, state["device"])
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -19,6 +19,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..device.accel import overlaps_copies
+
 # Tensors in tuples, lists and dicts, nested; the loop gets a tuple (inputs..., target) or a dict.
 Batch = tuple | dict
 
@@ -94,15 +96,15 @@ class DeviceLoader:
 
     def __init__(self, source: BatchSource, device: torch.device, start: int = 0, num_workers: int = 0):
         self.device, self.position, self.wait_s = device, start, 0.0
-        self._module = torch.get_device_module(device.type) if device.type in ("cuda", "xpu") else None
-        self._stream = self._module.Stream(device) if self._module is not None else None
+        # Copies from pinned memory on a side stream, so the next batch travels while this step computes.
+        self._stream = torch.Stream(device) if overlaps_copies(device) else None
         self._host = _host_batches(source, start, num_workers, pin=self._stream is not None)
         self._prefetch()
 
     def _to_device(self, batch: Batch) -> Batch:
         if self._stream is None:
             return map_tensors(lambda t: t.to(self.device), batch)
-        with self._module.stream(self._stream):
+        with self._stream:
             return map_tensors(lambda t: (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True),
                                batch)
 
@@ -123,7 +125,7 @@ class DeviceLoader:
         t0 = time.perf_counter()
         batch = self._ahead
         if self._stream is not None:
-            current = self._module.current_stream(self.device)
+            current = torch.accelerator.current_stream(self.device)
             current.wait_stream(self._stream)
             for t in tensors_in(batch):
                 t.record_stream(current)  # the side stream's allocation is now used on the main stream

@@ -11,12 +11,13 @@ import json
 import torch
 import torch.distributed as dist
 
+from ..device.accel import current_device
+
 
 def _device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where a collective on `group` takes its tensors (NCCL: the current GPU)."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where a collective on `group` takes its tensors: Gloo the CPU's, NCCL, XCCL and the other
+    accelerators' backends the current accelerator's."""
+    return torch.device("cpu") if dist.get_backend(group) == "gloo" else current_device()
 
 
 def broadcast_json(value, group: dist.ProcessGroup | None = None):

@@ -9,11 +9,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
+from ..device.accel import is_accelerator
+
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> DistributedDataParallel:
     """Wrap `model`; gradients are averaged over `dp_mesh` in buckets during backward."""
     return DistributedDataParallel(
-        model, device_ids=[device] if device.type in ("cuda", "xpu") else None,
+        model, device_ids=[device] if is_accelerator(device) else None,
         process_group=dp_mesh.get_group(), gradient_as_bucket_view=True)
 
 

@@ -14,7 +14,6 @@ import atexit
 import os
 import re
 import signal
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta

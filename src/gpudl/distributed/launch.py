@@ -21,6 +21,8 @@ from pathlib import Path
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from rich.console import Console
+
 from ..checkpoint.files import complete_checkpoints, step_of
 from ..config import Config
 from ..device import available, detect

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 from .. import models
 from ..config import Config, with_sets
-from ..config.sizes import parse_size
 from ..device import DeviceInfo, detect
 from ..device.specs import TARGETS, datasheet_tflops
 from ..errors import UserError, unknown_name

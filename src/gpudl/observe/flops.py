@@ -12,6 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..data.loader import Batch, map_tensors, tensors_in
+from ..device.accel import is_accelerator
 
 
 def count_training_flops(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor]) -> int:
@@ -25,8 +26,8 @@ def count_training_flops(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.M
     """
     grads = {p: p.grad for p in model.parameters()}
     buffers = {b: b.clone() for b in model.buffers()}  # e.g. BatchNorm statistics a forward updates
-    devices = [t.device for t in tensors_in(batch) if t.device.type == "cuda"][:1]
-    with torch.random.fork_rng(devices=devices), sdpa_kernel(SDPBackend.MATH), \
+    devices = [t.device for t in tensors_in(batch) if is_accelerator(t.device)][:1]
+    with torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda"), sdpa_kernel(SDPBackend.MATH), \
             FlopCounterMode(display=False) as counter:
         loss_fn(model, batch).backward()
     with torch.no_grad():

@@ -13,32 +13,28 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..device.accel import peak_allocated, reset_peak
+
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory this process has used on `device` (the CPU: peak resident set size)."""
-    if device.type == "cpu":
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
-    module = torch.get_device_module(device.type)
-    if hasattr(module, "max_memory_allocated"):
-        return int(module.max_memory_allocated(device))
-    if hasattr(module, "driver_allocated_memory"):  # MPS
-        return int(module.driver_allocated_memory())
-    return 0
+    """Peak memory this process has used on `device`: tensors on an accelerator (torch.accelerator's
+    statistics), the peak resident set size on the CPU."""
+    if device.type != "cpu":
+        return peak_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
 
 
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak for `peak_memory_bytes` (the CPU: Linux resets the peak RSS on request)."""
-    if device.type == "cpu":
-        try:
-            with open("/proc/self/clear_refs", "w") as f:  # "5" resets the process's peak RSS
-                f.write("5")
-        except OSError:  # not Linux, or not allowed: the peak stays the process's lifetime peak
-            pass
+    if device.type != "cpu":
+        reset_peak(device)
         return
-    module = torch.get_device_module(device.type)
-    if hasattr(module, "reset_peak_memory_stats"):
-        module.reset_peak_memory_stats(device)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:  # "5" resets the process's peak RSS
+            f.write("5")
+    except OSError:  # not Linux, or not allowed: the peak stays the process's lifetime peak
+        pass
 
 
 @dataclass

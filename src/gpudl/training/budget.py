@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import Config
+from ..device import synchronize
 from ..observe.sinks import ConsoleProgress
 from .loop import Job, TrainState
 from .optim import set_total_steps
@@ -42,7 +43,12 @@ class StepBudget:
         return cfg.train.time_budget_s > 0 and state.step + 1 + TIMED_STEPS < cfg.train.max_steps
 
     def on_step(self, state: TrainState) -> bool:
-        """After each step: start the clock after the first, decide once enough were timed (True: decided)."""
+        """After each step: start the clock after the first, decide once enough were timed (True: decided).
+
+        The two clock readings wait for the device: an accelerator runs behind the host, which queues
+        steps ahead. Once per run, not per step."""
+        if self._first is None or state.step - self._first >= TIMED_STEPS:
+            synchronize(self.session.device.torch_device)
         now = time.perf_counter()
         if self._first is None:
             self._first, self._t0 = state.step, now

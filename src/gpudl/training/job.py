@@ -34,6 +34,7 @@ from ..device.kernels import attention_kernel
 from ..distributed.agree import any_rank
 from ..distributed.parallelize import parallelize
 from ..models.attention import use_attention
+from .finite import finite_guard
 from .loop import Job, standard_micro_step
 from .optim import make_optimizer, make_scheduler
 from .precision import Precision
@@ -83,7 +84,8 @@ def build_job(model: nn.Module, cfg: Config, session: Session, precision: Precis
                batches=task.batches, eval_fn=placed.eval_fn or task.eval_fn, eval_batches=task.eval_batches,
                grad_sync=placed.grad_sync, micro_step=placed.micro_step or standard_micro_step,
                clip_norm=placed.clip_norm, draws=task.draws, micro_batch=task.micro_batch,
-               any_rank=_any_rank(session), device=session.device.torch_device)
+               any_rank=_any_rank(session), device=session.device.torch_device,
+               guard=finite_guard(session.device.torch_device, optimizer))
 
 
 def _any_rank(session: Session) -> Callable[[bool], bool]:

@@ -3,8 +3,9 @@
 Everything that differs between devices, precisions and parallel strategies was decided
 before the loop starts and arrives here as objects (`Job`): the loop has no branches on them.
 One step = the step's data (drawn once) in micro-batches of forward + backward, then unscale,
-clip, a finiteness check that decides the update, the update itself, and the schedule. A step
-that runs out of memory is run again from its start with half the micro-batch (`micro.py`).
+clip, the update unless the gradients are not finite (decided on the device where it can be,
+`finite.py`), and the schedule. A step that runs out of memory is run again from its start with
+half the micro-batch (`micro.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from torch import nn
 from ..config import TrainConfig
 from ..errors import UserError
 from ..distributed.parts import clip_grad_norm
+from .finite import FiniteGuard, HostGuard, stop_if_too_many
+from .finite import NonFiniteError  # noqa: F401  (where callers import it from)
 from .micro import OutOfMemory, is_out_of_memory, micro_batches, release, rows
 from .precision import Precision
 
@@ -69,6 +72,8 @@ class Job:
     # True on every rank when it is true on any: ranks redo an out-of-memory step together.
     any_rank: Callable[[bool], bool] = field(default=lambda flag: flag)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # Skips the update of a step whose gradients are not finite, and counts such steps.
+    guard: FiniteGuard = field(default_factory=HostGuard)
 
 
 class Events(Protocol):
@@ -91,10 +96,6 @@ class NoEvents:
 
     def should_stop(self, *args) -> bool:
         return False
-
-
-class NonFiniteError(UserError):
-    """Too many steps in a row had a NaN or Inf gradient."""
 
 
 class OutOfMemoryAtOneRow(UserError):
@@ -147,19 +148,6 @@ def clip_gradients(job: Job, max_norm: float) -> torch.Tensor:
     return job.clip_norm(params, max_norm)
 
 
-def check_finite(grad_norm: torch.Tensor, state: TrainState, limit: int) -> bool:
-    """Count a non-finite step; stop the run after `limit` in a row. The one host sync per step."""
-    if bool(torch.isfinite(grad_norm)):
-        state.nonfinite_in_a_row = 0
-        return True
-    state.nonfinite_in_a_row += 1
-    state.nonfinite_total += 1
-    if state.nonfinite_in_a_row >= limit:
-        raise NonFiniteError(f"{limit} steps in a row had NaN/Inf gradients (last at step {state.step + 1}): "
-                             f"lower optim.lr, use precision=bf16-mixed or fp32, or check the data")
-    return False
-
-
 @torch.no_grad()
 def evaluate(job: Job) -> dict[str, float]:
     """Mean of each evaluation metric over the evaluation samples, in eval mode."""
@@ -199,16 +187,18 @@ def train_loop(job: Job, cfg: TrainConfig, state: TrainState, events: Events) ->
         state.batches += job.draws
         loss = fitting_forward_backward(job, data, state, events)
         grad_norm = clip_gradients(job, cfg.grad_clip)
-        finite = check_finite(grad_norm, state, cfg.max_nonfinite)
-        job.precision.step(job.optimizer, finite)  # a non-finite step leaves weights and moments untouched
+        stepped = job.guard.update(job.precision, job.optimizer, grad_norm, state)
         job.optimizer.zero_grad(set_to_none=True)
         lr = job.scheduler.get_last_lr()[0]
-        advance_schedule(job.scheduler, finite)
+        advance_schedule(job.scheduler, stepped)
         state.step += 1
+        if job.guard.on_host or _due(state.step, cfg.log_every, cfg.max_steps):  # the device's: with the losses
+            stop_if_too_many(job.guard.settle(state), state, cfg.max_nonfinite)
         events.on_step(state, loss, grad_norm, lr)
         if job.eval_batches is not None and _due(state.step, cfg.eval_every, cfg.max_steps):
             events.on_eval(state, evaluate(job))
         events.after_step(state)
         if events.should_stop(state):
             break
+    job.guard.settle(state)
     return state

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data.loader import map_tensors, tensors_in
+from ..device.accel import empty_cache
 
 _CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: not enough memory"
 
@@ -71,5 +72,4 @@ class OutOfMemory:
 def release(device: torch.device) -> None:
     """Return what a failed attempt held (it is unreachable by now) to the device, for the retry."""
     gc.collect()
-    if device.type != "cpu" and hasattr(torch.get_device_module(device.type), "empty_cache"):
-        torch.get_device_module(device.type).empty_cache()
+    empty_cache(device)

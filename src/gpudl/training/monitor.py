@@ -39,6 +39,7 @@ class Saver:
 
     def save(self, state: TrainState) -> None:
         job = self.job
+        job.guard.settle(state)  # the non-finite counts a device guard keeps on the device
         extra = {"train_state": dataclasses.asdict(state), "scheduler": job.scheduler.state_dict(),
                  "scaler": job.precision.state_dict()}
         self.checkpointer.save(state.step, job.model, job.optimizer, extra)

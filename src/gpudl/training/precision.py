@@ -61,6 +61,21 @@ class Precision:
         if self.scaler is not None:
             self.scaler.update()
 
+    def step_unless(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+        """The update, skipped on the device where `found_inf` (a 0-dim float32 tensor) is 1: no host read.
+
+        Needs a fused optimizer, whose kernel takes `found_inf` as GradScaler hands it over. With the
+        fp16 scaler the scaler's own flag from unscaling decides, and the loss scale adapts as with `step`."""
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            return
+        optimizer.found_inf, optimizer.grad_scale = found_inf, None  # what the fused step reads
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf, optimizer.grad_scale
+
     def state_dict(self) -> dict:
         return self.scaler.state_dict() if self.scaler is not None else {}
 

@@ -24,7 +24,8 @@ from ..observe.sinks import ConsoleProgress, FileSink, TensorBoardSink, read_rec
     tensorboard_available
 from .budget import StepBudget
 from .interrupt import StopRequest
-from .loop import Job, NonFiniteError, TrainState, train_loop
+from .finite import NonFiniteError
+from .loop import Job, TrainState, train_loop
 from .monitor import Monitor, Saver
 from .session import Session
 

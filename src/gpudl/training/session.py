@@ -18,6 +18,7 @@ from ..distributed.agree import broadcast_json
 from ..distributed.env import DistEnv, check_devices, die_with_agent, init_process_group, read_env
 from ..distributed.mesh import ParallelDims
 from ..distributed.watch import StepWatch
+from ..device.accel import use_device
 from ..device.host import keep_freed_memory
 
 @dataclass
@@ -75,8 +76,7 @@ def start_session(run: RunConfig, console: Console, timeout_s: int = 600, init_m
         if env.has_agent:
             die_with_agent()
         check_devices(env, info.type)
-        if info.type in ("cuda", "xpu"):
-            torch.get_device_module(info.type).set_device(info.index)
+        use_device(info.torch_device)  # each rank on its own accelerator before the process group starts
         init_process_group(env, info.dist_backend, timeout_s, init_method)
     quiet = env is not None and env.rank != 0
     if not quiet:

@@ -1,0 +1,118 @@
+"""Steps whose gradients are not finite: the update is skipped, the step counted, and the run stopped
+after `train.max_nonfinite` such steps in a row.
+
+Two guards do this, one chosen per job before the loop starts (`finite_guard`):
+
+- `HostGuard` reads the gradient norm on the host every step and decides there. On the CPU that
+  read costs nothing, and it is the only way for an optimizer without a fused kernel.
+- `DeviceGuard` decides on the device. A host read would stop the host from queueing the next
+  step's kernels until the GPU had caught up, every step. Instead the fused optimizer gets a
+  `found_inf` flag, the way torch's GradScaler drives fused optimizers: its kernel leaves weights,
+  moments and step counts as they were where the flag is set. The counts stay on the device too,
+  and are read with the losses once per log interval (`settle`), so a run of non-finite steps
+  stops the job at the next interval rather than at the step itself; the skipped updates never
+  touched the weights, so nothing is lost by the wait.
+
+>>> import torch
+>>> from gpudl.training.loop import TrainState
+>>> guard, state = HostGuard(), TrainState()
+>>> guard.count(False, state), guard.count(False, state), guard.count(True, state)
+(False, False, True)
+>>> state.nonfinite_total, state.nonfinite_in_a_row, guard.settle(state)
+(2, 0, 2)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..errors import UserError
+from .precision import Precision
+
+
+class NonFiniteError(UserError):
+    """Too many steps in a row had a NaN or Inf gradient."""
+
+
+class TrainState(Protocol):
+    """What a guard reads and keeps of the loop's state (`loop.TrainState`)."""
+
+    step: int
+    nonfinite_in_a_row: int
+    nonfinite_total: int
+
+
+class FiniteGuard(Protocol):
+    on_host: bool   # True: decides every step on the host, so the loop checks the counts every step
+
+    def update(self, precision: Precision, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
+               state: TrainState) -> bool:
+        """The optimizer step unless the gradients are not finite; True when `optimizer.step()` ran."""
+
+    def settle(self, state: TrainState) -> int:
+        """Bring the counts into `state`; the longest run of non-finite steps so far."""
+
+
+def stop_if_too_many(longest: int, state: TrainState, limit: int) -> None:
+    if longest >= limit:
+        raise NonFiniteError(f"{limit} steps in a row had NaN/Inf gradients (seen by step {state.step}): "
+                             f"lower optim.lr, use precision=bf16-mixed or fp32, or check the data")
+
+
+@dataclass
+class HostGuard:
+    """Decides on the host: reads the gradient norm every step."""
+
+    on_host = True
+    _longest: int = 0
+
+    def update(self, precision: Precision, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
+               state: TrainState) -> bool:
+        finite = self.count(bool(torch.isfinite(grad_norm)), state)
+        precision.step(optimizer, finite)  # a non-finite step leaves weights and moments untouched
+        return finite
+
+    def count(self, finite: bool, state: TrainState) -> bool:
+        state.nonfinite_in_a_row = 0 if finite else state.nonfinite_in_a_row + 1
+        state.nonfinite_total += not finite
+        self._longest = max(self._longest, state.nonfinite_in_a_row)
+        return finite
+
+    def settle(self, state: TrainState) -> int:
+        return self._longest
+
+
+class DeviceGuard:
+    """Decides on the device: the fused optimizer skips the update itself; no host read per step."""
+
+    on_host = False
+
+    def __init__(self) -> None:
+        self._counts: torch.Tensor | None = None   # [in a row, total, longest run], float32 on the device
+
+    def update(self, precision: Precision, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
+               state: TrainState) -> bool:
+        found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
+        precision.step_unless(optimizer, found_inf)
+        if self._counts is None:  # from the state a resumed run brings
+            self._counts = torch.tensor([state.nonfinite_in_a_row, state.nonfinite_total, state.nonfinite_in_a_row],
+                                        dtype=torch.float32, device=found_inf.device)
+        in_a_row = (self._counts[0] + 1) * found_inf
+        self._counts = torch.stack([in_a_row, self._counts[1] + found_inf, torch.maximum(self._counts[2], in_a_row)])
+        return True
+
+    def settle(self, state: TrainState) -> int:
+        if self._counts is None:
+            return state.nonfinite_in_a_row
+        in_a_row, total, longest = (int(x) for x in self._counts.tolist())  # one device -> host transfer
+        state.nonfinite_in_a_row, state.nonfinite_total = in_a_row, total
+        return longest
+
+
+def finite_guard(device: torch.device, optimizer: torch.optim.Optimizer) -> FiniteGuard:
+    """The device guard where it can skip on the device (an accelerator and a fused optimizer), else the host's."""
+    fused = bool(optimizer.defaults.get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False)
+    return DeviceGuard() if device.type != "cpu" and fused else HostGuard()
