@@ -169,7 +169,8 @@ def cmd_serve(args, console: Console) -> int:
 
 
 def cmd_plan(args, console: Console) -> int:
-    from .memory.plan import local_machine, parse_size, plan, target_machine
+    from .config.sizes import parse_size
+    from .memory.plan import local_machine, plan, target_machine
     from .memory.report import plan_json, plan_table, why
 
     if args.nproc_per_node < 1 or args.nnodes < 1:

@@ -16,7 +16,8 @@ import pytest
 from gpudl.cli import main
 from gpudl.config import load_config
 from gpudl.memory.fake_jobs import estimate
-from gpudl.memory.plan import layouts, local_machine, parse_size, plan, target_machine
+from gpudl.config.sizes import parse_size
+from gpudl.memory.plan import layouts, local_machine, plan, target_machine
 
 _PATH = Path(__file__).parents[2] / "benchmarks" / "memory_measure.py"
 _spec = importlib.util.spec_from_file_location("memory_measure", _PATH)
