@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64])
     ap.add_argument("--seconds", type=float, default=8.0, help="per point")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--device", default="cpu", help="where the servers run the model (default: cpu)")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="gpudl-serve-load-") as tmp:
@@ -127,11 +128,11 @@ def main() -> None:
             for style in ("batching", "batch-1", "plain"):
                 port = _port()
                 url = f"http://127.0.0.1:{port}"
-                argv = [sys.executable, "-m", "gpudl", "serve", str(folder), "--port", str(port), "--device", "cpu"]
+                argv = [sys.executable, "-m", "gpudl", "serve", str(folder), "--port", str(port), "--device", args.device]
                 argv += {"batching": [], "batch-1": ["--max-batch-size", "1"],
                          "plain": None}[style] or []
                 if style == "plain":
-                    argv = [sys.executable, str(Path(__file__).parent / "serve_plain.py"), str(folder), str(port)]
+                    argv = [sys.executable, str(Path(__file__).parent / "serve_plain.py"), str(folder), str(port), args.device]
                 proc = start(argv, url)
                 try:
                     path, body, units = request_for(kind, name, style)

@@ -21,8 +21,8 @@ from gpudl.models.gpt import KVCache
 from gpudl.serve.load import load_model
 
 
-def build(folder: str) -> FastAPI:
-    loaded = load_model(folder, device="cpu", precision="fp32")
+def build(folder: str, device: str = "cpu") -> FastAPI:
+    loaded = load_model(folder, device=device)  # the precision gpudl serve picks: the same arithmetic
     model, app = loaded.model, FastAPI()
 
     @app.get("/v2/health/ready")
@@ -50,4 +50,5 @@ def build(folder: str) -> FastAPI:
 
 
 if __name__ == "__main__":
-    uvicorn.run(build(sys.argv[1]), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
+    device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
+    uvicorn.run(build(sys.argv[1], device), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")

@@ -14,8 +14,8 @@ import bodies  # noqa: E402  (the bodies live next to this file)
 name, kwargs, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 backend = os.environ["GPUDL_TEST_BACKEND"]
 rank = int(os.environ["RANK"])
-if backend == "nccl":
-    torch.cuda.set_device(rank)
+if os.environ.get("GPUDL_TEST_DEVICE", "cpu") != "cpu":  # one accelerator per rank, as gpudl picks it
+    torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
 # The group is the helper's (file rendezvous), so a test that needs a short collective timeout says so here.
 timeout = timedelta(seconds=float(os.environ.get("GPUDL_TEST_TIMEOUT_S", 300)))
 dist.init_process_group(backend, init_method=os.environ["GPUDL_TEST_INIT"], rank=rank,

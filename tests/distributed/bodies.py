@@ -1,4 +1,8 @@
-"""What each rank of a distributed test runs (imported by _worker.py in every process)."""
+"""What each rank of a distributed test runs (imported by _worker.py in every process).
+
+Each body takes the device its rank trains on ("cpu", or an accelerator type such as "cuda", as
+helper.run_ranks passes it); a test also calls a body in its own process, as the one-process reference.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.block_size=32", "train.batch_size=4",
         "train.max_steps=10", "train.log_every=1", "train.eval_every=5", "train.eval_batches=2",
         "train.precision=fp32", "sample.tokens=0", "log.progress=false", "log.plot=false", "optim.warmup_steps=2",
-        "train.time_budget_s=0"]
+        "train.time_budget_s=0",
+        # On the CPU unless a test says otherwise (a body's `device`, `--device`); eager, as the
+        # one-process references are (compile's "auto" turns it on for GPUs).
+        "run.device=cpu", "train.compile=false"]
+
+
+def on(device: str, sets: list[str]) -> list[str]:
+    """The settings of a run on `device`: TINY's, the device, then the test's own."""
+    return [*TINY, f"run.device={device}", *sets]
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -19,31 +31,31 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def train_tiny(sets: list[str], resume: str | None = None) -> dict:
+def train_tiny(sets: list[str], resume: str | None = None, device: str = "cpu") -> dict:
     from gpudl.config import load_config
     from gpudl.training.recipe import train
 
-    cfg = load_config(None, [*TINY, *sets])
+    cfg = load_config(None, on(device, sets))
     result = train(cfg, resume=resume, console=Console(quiet=True))
     return {"losses": {r["step"]: r["loss"] for r in result.records if r["kind"] == "train"},
             "evals": [r for r in result.records if r["kind"] == "eval"],
             "params": full_params(result.model), "summary": result.summary, "rank": dist.get_rank()}
 
 
-def train_and_state(sets: list[str], resume: str | None = None) -> dict:
+def train_and_state(sets: list[str], resume: str | None = None, device: str = "cpu") -> dict:
     """Train (or only restore, when max_steps is the checkpoint's step); the whole state on rank 0."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from gpudl.config import load_config
     from gpudl.training.recipe import train
 
-    result = train(load_config(None, [*TINY, *sets]), resume=resume, console=Console(quiet=True))
+    result = train(load_config(None, on(device, sets)), resume=resume, console=Console(quiet=True))
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return {"params": full_params(result.model),
             "optim": get_optimizer_state_dict(result.model, result.optimizer, options=options)}
 
 
-def train_with_stall(sets: list[str], stall_rank: int, stall_step: int, seconds: float) -> dict:
+def train_with_stall(sets: list[str], stall_rank: int, stall_step: int, seconds: float, device: str = "cpu") -> dict:
     """Train, but on `stall_rank` hang for `seconds` in the forward pass of step `stall_step`."""
     import time
 
@@ -63,10 +75,10 @@ def train_with_stall(sets: list[str], stall_rank: int, stall_step: int, seconds:
         return fn
 
     models.loss_for = stalling
-    return train_tiny(sets)
+    return train_tiny(sets, device=device)
 
 
-def train_gathered(sets: list[str], resume: str | None = None) -> dict:
+def train_gathered(sets: list[str], resume: str | None = None, device: str = "cpu") -> dict:
     """Train; every rank's parameters merged by name, on every rank (for layouts whose ranks hold
     different parameters: pipeline stages)."""
     from torch.distributed.tensor import DTensor
@@ -74,7 +86,7 @@ def train_gathered(sets: list[str], resume: str | None = None) -> dict:
     from gpudl.config import load_config
     from gpudl.training.recipe import train
 
-    result = train(load_config(None, [*TINY, *sets]), resume=resume, console=Console(quiet=True))
+    result = train(load_config(None, on(device, sets)), resume=resume, console=Console(quiet=True))
     mine = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
             for k, v in result.model.state_dict().items()}
     parts = [None] * dist.get_world_size()
@@ -85,7 +97,7 @@ def train_gathered(sets: list[str], resume: str | None = None) -> dict:
             "rank": dist.get_rank()}
 
 
-def train_tiny_tp(sets: list[str]) -> dict:
+def train_tiny_tp(sets: list[str], device: str = "cpu") -> dict:
     """train_tiny, and how the trained tensor-parallel model is laid out: each DTensor parameter's
     placements, local shape and mesh dimensions, and the local shape of what the first block's
     first norm returns."""
@@ -94,7 +106,7 @@ def train_tiny_tp(sets: list[str]) -> dict:
     from gpudl.config import load_config
     from gpudl.training.recipe import train
 
-    result = train(load_config(None, [*TINY, *sets]), console=Console(quiet=True))
+    result = train(load_config(None, on(device, sets)), console=Console(quiet=True))
     model = result.model
     # Read before the forward below: FSDP leaves the last block's and the root's parameters gathered after one.
     params = full_params(model)
@@ -131,9 +143,9 @@ def poison_loss(rank_to_poison: int | None, step: int) -> None:
     models.loss_for = poisoned
 
 
-def train_poisoned(sets: list[str], rank: int, step: int) -> dict:
+def train_poisoned(sets: list[str], rank: int, step: int, device: str = "cpu") -> dict:
     poison_loss(rank, step)
-    return train_tiny(sets)
+    return train_tiny(sets, device=device)
 
 
 def user_model_and_data(seed: int = 0):
@@ -145,14 +157,14 @@ def user_model_and_data(seed: int = 0):
     return net, (x, y)
 
 
-def fit_user_model(batch_size: int, parallel: dict | None = None) -> dict:
+def fit_user_model(batch_size: int, parallel: dict | None = None, device: str = "cpu") -> dict:
     import torch.nn.functional as F
 
     import gpudl
     from gpudl.config import ParallelConfig
 
     net, data = user_model_and_data()
-    result = gpudl.fit(net, data, loss=F.cross_entropy, max_steps=8, batch_size=batch_size, lr=1e-2,
+    result = gpudl.fit(net, data, loss=F.cross_entropy, max_steps=8, batch_size=batch_size, lr=1e-2, device=device,
                        precision="fp32", log_every=1, quiet=True, parallel=ParallelConfig(**(parallel or {})))
     return {"losses": [r["loss"] for r in result.records if r["kind"] == "train"],
             "params": full_params(result.model)}
@@ -173,7 +185,7 @@ def hf_gpt2_and_data(seed: int = 0):
     return model, {"input_ids": ids, "labels": ids}
 
 
-def fit_hf_gpt2(batch_size: int, parallel: dict | None = None, data: str = "columns") -> dict:
+def fit_hf_gpt2(batch_size: int, parallel: dict | None = None, data: str = "columns", device: str = "cpu") -> dict:
     """fit on the dict of columns (batch_size samples per rank), or on a DataLoader over the same
     samples in order (its batch size per rank; on several ranks each takes every other batch)."""
     from torch.utils.data import DataLoader
@@ -186,7 +198,7 @@ def fit_hf_gpt2(batch_size: int, parallel: dict | None = None, data: str = "colu
         samples = [{"input_ids": row, "labels": row} for row in columns["input_ids"]]
         columns = DataLoader(samples, batch_size=batch_size)
     result = gpudl.fit(model, columns, max_steps=8, batch_size=batch_size, lr=3e-3, precision="fp32", log_every=1,
-                       quiet=True, parallel=ParallelConfig(**(parallel or {})))
+                       quiet=True, parallel=ParallelConfig(**(parallel or {})), device=device)
     return {"losses": [r["loss"] for r in result.records if r["kind"] == "train"],
             "params": full_params(result.model), "mfu": result.metrics.mfu}
 
@@ -215,7 +227,7 @@ def _out_of_memory(rows: int) -> None:
 
 
 def fit_out_of_memory(batch_size: int, grad_accum: int = 1, at: int = 0, rows: int = 0, where: str = "forward",
-                      parallel: dict | None = None) -> dict:
+                      parallel: dict | None = None, device: str = "cpu") -> dict:
     """fit of the user model, running out of memory as `RunsOutOfMemory` says (at=0: never)."""
     import torch.nn.functional as F
 
@@ -225,6 +237,7 @@ def fit_out_of_memory(batch_size: int, grad_accum: int = 1, at: int = 0, rows: i
     net, data = user_model_and_data()
     model = RunsOutOfMemory(net, at, rows, where) if at else net
     result = gpudl.fit(model, data, loss=F.cross_entropy, max_steps=8, batch_size=batch_size, grad_accum=grad_accum,
-                       lr=1e-2, precision="fp32", log_every=1, quiet=True, parallel=ParallelConfig(**(parallel or {})))
+                       lr=1e-2, precision="fp32", log_every=1, quiet=True, parallel=ParallelConfig(**(parallel or {})),
+                       device=device)
     return {"losses": [r["loss"] for r in result.records if r["kind"] == "train"],
             "ooms": [r for r in result.records if r["kind"] == "oom"]}

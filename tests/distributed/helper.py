@@ -1,9 +1,11 @@
 """Start a test body in N real processes on one machine, joined by a file-based rendezvous.
 
 Every process gets RANK / WORLD_SIZE / LOCAL_RANK like torchrun gives them, joins the
-process group itself (Gloo on the CPU, NCCL when the test asks for GPUs), runs
-`bodies.<name>(**kwargs)` and saves what it returns. On a timeout every process is killed and
-the test fails with each one's output: a distributed test can fail, never hang.
+process group itself (Gloo on the CPU; on an accelerator the collective library torch ships for
+it, NCCL on CUDA and ROCm, XCCL on XPU, one device per rank), runs `bodies.<name>(device=...,
+**kwargs)` and saves what it returns. On a timeout every process is killed and the test fails with
+each one's output: a distributed test can fail, never hang. A test on the accelerator is skipped,
+with the reason, where there are fewer accelerators than ranks.
 """
 
 from __future__ import annotations
@@ -18,28 +20,51 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 HERE = Path(__file__).parent
 
 
-def backends() -> list:
-    """Gloo always; NCCL as well where two or more GPUs are present (skipped, with the reason, elsewhere)."""
-    nccl = pytest.param("nccl", marks=pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-        reason="NCCL bodies need two or more CUDA GPUs; this machine has none"))
-    return ["gloo", nccl]
+def backend_for(device: str) -> str:
+    """The process-group backend for ranks on `device`: Gloo on the CPU, else torch's own for the device."""
+    return "gloo" if device == "cpu" else dist.get_default_backend_for_device(device)
+
+
+def need_devices(device: str, world: int) -> None:
+    """Skip, with the reason, a test of `world` ranks on an accelerator this machine has fewer of than ranks
+    (call it before any reference run, so that a skipped test costs nothing)."""
+    if device == "cpu":
+        return  # processes share the CPU
+    have = torch.accelerator.device_count()
+    if have < world:
+        pytest.skip(f"{world} ranks on {device} need {world} devices, one per rank; this machine has {have}")
+    try:
+        backend_for(device)
+    except (RuntimeError, ValueError) as e:
+        pytest.skip(f"torch ships no collective backend for {device}: {e}")
+
+
+def tolerance(device: str) -> float:
+    """How close a parallel run and one process on the full batch must be. On the CPU, 1e-5: float
+    sums in another order. On an accelerator, 1e-4: NCCL's ring and tree all-reduces sum in yet
+    other orders, and GEMMs tile a batch of 4 and one of 8 differently."""
+    return 1e-5 if device == "cpu" else 1e-4
 
 
 def _output(log: Path) -> str:
     return log.read_text(errors="replace")[-4000:] if log.exists() else "(no output)"
 
 
-def run_ranks(body: str, world: int, tmp_path: Path, backend: str = "gloo", timeout: float = 180,
+def run_ranks(body: str, world: int, tmp_path: Path, device: str = "cpu", timeout: float = 180,
               env: dict | None = None, expect_failure: bool = False, **kwargs) -> list:
-    """Run `bodies.<body>(**kwargs)` on `world` ranks; returns each rank's return value (torch.load'ed).
+    """Run `bodies.<body>(device=device, **kwargs)` on `world` ranks, each on its own device of that type (the
+    CPU: shared); returns each rank's return value (torch.load'ed).
 
     With `expect_failure`, returns [(exit status, output)] per rank instead of failing the test.
     """
+    need_devices(device, world)
+    backend = backend_for(device)
+    kwargs["device"] = device
     tmp_path.mkdir(parents=True, exist_ok=True)
     init = tmp_path / "rendezvous"
     init.unlink(missing_ok=True)
@@ -48,7 +73,7 @@ def run_ranks(body: str, world: int, tmp_path: Path, backend: str = "gloo", time
         log = tmp_path / f"rank{rank}.log"
         penv = {**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(world), "GPUDL_TEST_INIT": f"file://{init}", "GPUDL_TEST_BACKEND": backend,
-                "OMP_NUM_THREADS": "1"}
+                "GPUDL_TEST_DEVICE": device, "OMP_NUM_THREADS": "1"}
         args = [sys.executable, str(HERE / "_worker.py"), body, json.dumps(kwargs), str(tmp_path / f"rank{rank}.pt")]
         with open(log, "w") as out:
             procs.append(subprocess.Popen(args, env=penv, stdout=out, stderr=subprocess.STDOUT,

@@ -11,16 +11,18 @@ import pytest
 import torch
 
 from bodies import fit_hf_gpt2, fit_user_model
-from helper import run_ranks
+from helper import need_devices, run_ranks, tolerance
 
 
 @pytest.mark.parametrize("parallel", [{}, {"dp_shard": 2}], ids=["ddp", "fsdp"])
-def test_fit_on_two_processes_equals_one_on_the_full_batch(tmp_path, parallel):
-    want = fit_user_model(batch_size=32)
-    ranks = run_ranks("fit_user_model", 2, tmp_path, batch_size=16, parallel=parallel)
-    assert ranks[0]["losses"] == pytest.approx(want["losses"], abs=1e-5)
+def test_fit_on_two_processes_equals_one_on_the_full_batch(tmp_path, device, parallel):
+    need_devices(device, 2)
+    want = fit_user_model(batch_size=32, device=device)
+    ranks = run_ranks("fit_user_model", 2, tmp_path, device, batch_size=16, parallel=parallel)
+    tol = tolerance(device)
+    assert ranks[0]["losses"] == pytest.approx(want["losses"], abs=tol)
     for name, p in want["params"].items():
-        assert torch.allclose(ranks[0]["params"][name], p, atol=1e-5, rtol=0), name
+        assert torch.allclose(ranks[0]["params"][name], p.cpu(), atol=tol, rtol=0), name
 
 
 @pytest.mark.parametrize("parallel, data", [({}, "dataloader"), ({"dp_shard": 2}, "columns")],

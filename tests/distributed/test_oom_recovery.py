@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 
 from bodies import fit_out_of_memory
-from helper import run_ranks
+from helper import need_devices, run_ranks, tolerance
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
-def test_one_process_recovers_with_the_losses_of_the_halved_micro_batch(where):
-    want = fit_out_of_memory(batch_size=16, grad_accum=2)
-    got = fit_out_of_memory(batch_size=32, at=5, rows=16, where=where)
-    assert got["losses"] == pytest.approx(want["losses"], abs=1e-5)
+def test_one_process_recovers_with_the_losses_of_the_halved_micro_batch(device, where):
+    want = fit_out_of_memory(batch_size=16, grad_accum=2, device=device)
+    got = fit_out_of_memory(batch_size=32, at=5, rows=16, where=where, device=device)
+    assert got["losses"] == pytest.approx(want["losses"], abs=tolerance(device))
     assert want["ooms"] == [] and len(got["ooms"]) == 1
     oom = got["ooms"][0]
     assert (oom["micro_batch"], oom["halved_to"]) == (32, 16) and 2 <= oom["step"] <= 5, oom
@@ -33,11 +33,12 @@ def test_halving_goes_on_until_it_fits_and_stops_at_one_sample():
 
 @pytest.mark.parametrize("parallel, where", [({}, "forward"), ({}, "backward"), ({"dp_shard": 2}, "forward")],
                          ids=["ddp-forward", "ddp-backward", "fsdp-forward"])
-def test_two_ranks_agree_and_recover_with_the_losses_of_the_halved_micro_batch(tmp_path, parallel, where):
+def test_two_ranks_agree_and_recover_with_the_losses_of_the_halved_micro_batch(tmp_path, device, parallel, where):
     """Both ranks run out of memory in the same step (the same shapes on each: the usual case)."""
-    want = fit_out_of_memory(batch_size=32, grad_accum=2)  # one process, the whole batch of 64, halves
-    ranks = run_ranks("fit_out_of_memory", 2, tmp_path, batch_size=32, at=4, rows=16, where=where,
+    need_devices(device, 2)
+    want = fit_out_of_memory(batch_size=32, grad_accum=2, device=device)  # one process, the whole batch of 64, halves
+    ranks = run_ranks("fit_out_of_memory", 2, tmp_path, device, batch_size=32, at=4, rows=16, where=where,
                       parallel=parallel)
     for rank in ranks:
-        assert rank["losses"] == pytest.approx(want["losses"], abs=1e-5)
+        assert rank["losses"] == pytest.approx(want["losses"], abs=tolerance(device))
         assert [(o["micro_batch"], o["halved_to"]) for o in rank["ooms"]] == [(32, 16)]

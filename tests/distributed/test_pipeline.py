@@ -7,10 +7,10 @@ import shutil
 import pytest
 from rich.console import Console
 
-from bodies import TINY
+from bodies import TINY, on
 from gpudl.config import load_config
 from gpudl.training.recipe import train
-from helper import backends, run_ranks
+from helper import need_devices, run_ranks, tolerance
 from test_strategies import assert_same_training
 
 # Four layers: interleaved-1f1b with pp=2 runs 2 stages per rank, each needs a layer.
@@ -21,33 +21,44 @@ def losses_of(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
-def reference(tmp_path, *sets: str) -> dict:
-    """One process, the whole batch, the same untied four-layer model."""
-    cfg = load_config(None, [*TINY, *PP_MODEL, *sets, f"run.dir={tmp_path}", "run.name=ref"])
+def reference(tmp_path, *sets: str, device: str = "cpu") -> dict:
+    """One process, the whole batch, the same untied four-layer model, on the same kind of device."""
+    cfg = load_config(None, on(device, [*PP_MODEL, *sets, f"run.dir={tmp_path}", "run.name=ref"]))
     result = train(cfg, console=Console(quiet=True))
     return {"losses": losses_of(result.records),
             "evals": [r for r in result.records if r["kind"] == "eval"],
             "params": {k: v.detach().cpu() for k, v in result.model.state_dict().items()}}
 
 
-@pytest.fixture(scope="module")
+_untied: dict[str, dict] = {}
+
+
+def untied_reference(tmp_path_factory, device: str) -> dict:
+    """`reference` of the untied model, run once per session and device."""
+    if device not in _untied:
+        _untied[device] = reference(tmp_path_factory.mktemp("ref"), device=device)
+    return _untied[device]
+
+
+@pytest.fixture
 def ref_untied(tmp_path_factory) -> dict:
-    return reference(tmp_path_factory.mktemp("ref"))
+    return untied_reference(tmp_path_factory, "cpu")
 
 
-@pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("schedule", [["parallel.pp_schedule=gpipe"], ["parallel.pp_schedule=1f1b"],
                                       ["parallel.pp_schedule=interleaved-1f1b", "parallel.pp_stages_per_rank=2"]],
                          ids=["gpipe", "1f1b", "interleaved-1f1b"])
-def test_pipeline_equals_one_process_on_the_full_batch(tmp_path, ref_untied, backend, schedule):
-    ranks = run_ranks("train_gathered", 2, tmp_path, backend,
+def test_pipeline_equals_one_process_on_the_full_batch(tmp_path, tmp_path_factory, device, schedule):
+    need_devices(device, 2)
+    want = untied_reference(tmp_path_factory, device)
+    ranks = run_ranks("train_gathered", 2, tmp_path, device,
                       sets=[*PP_MODEL, "parallel.pp=2", *schedule, f"run.dir={tmp_path}/runs", "run.name=pp"])
     assert ranks[0]["losses"] == ranks[1]["losses"]  # the last stage's loss, on every rank
-    assert_same_training(ranks[0], ref_untied)
-    n = sum(p.numel() for p in ref_untied["params"].values())
+    assert_same_training(ranks[0], want, tolerance(device))
+    n = sum(p.numel() for p in want["params"].values())
     assert ranks[0]["summary"]["params_m"] == pytest.approx(n / 1e6)  # the whole model's, not the stage's
-    for got, want in zip(ranks[0]["evals"], ref_untied["evals"]):
-        assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
+    for got, evaluated in zip(ranks[0]["evals"], want["evals"]):
+        assert got["loss"] == pytest.approx(evaluated["loss"], abs=tolerance(device))
 
 
 def test_pipeline_accumulates_gradients_over_micro_steps(tmp_path):

@@ -1,4 +1,7 @@
-"""Each data-parallel strategy, on real processes, against one process training on the full batch."""
+"""Each data-parallel strategy, on real processes, against one process training on the full batch.
+
+On the CPU with Gloo; on this machine's accelerators with NCCL (CUDA, ROCm) or XCCL (XPU) where it
+has one per rank (skipped, with the reason, elsewhere)."""
 
 from __future__ import annotations
 
@@ -6,18 +9,30 @@ import pytest
 import torch
 from rich.console import Console
 
-from bodies import TINY
+from bodies import on
 from gpudl.config import load_config
 from gpudl.training.recipe import train
-from helper import backends, run_ranks
+from helper import need_devices, run_ranks, tolerance
+
+_references: dict = {}
 
 
-def reference(tmp_path, global_batch: int) -> dict:
-    """One process, the whole batch: what every parallel layout must reproduce."""
-    cfg = load_config(None, [*TINY, f"train.batch_size={global_batch}", f"run.dir={tmp_path}", "run.name=ref"])
+def reference(tmp_path, global_batch: int, device: str = "cpu", *sets: str) -> dict:
+    """One process, the whole batch, on the same kind of device: what every parallel layout must reproduce."""
+    cfg = load_config(None, on(device, [f"train.batch_size={global_batch}", *sets, f"run.dir={tmp_path}",
+                                        "run.name=ref"]))
     result = train(cfg, console=Console(quiet=True))
     return {"losses": {r["step"]: r["loss"] for r in result.records if r["kind"] == "train"},
+            "evals": [r for r in result.records if r["kind"] == "eval"],
             "params": {k: v.detach().cpu() for k, v in result.model.state_dict().items()}}
+
+
+def shared_reference(tmp_path_factory, global_batch: int, device: str, *sets: str) -> dict:
+    """`reference`, run once per session for each batch, device and settings."""
+    key = (global_batch, device, sets)
+    if key not in _references:
+        _references[key] = reference(tmp_path_factory.mktemp(f"ref{global_batch}"), global_batch, device, *sets)
+    return _references[key]
 
 
 def assert_same_training(got: dict, want: dict, tol: float = 1e-5) -> None:
@@ -29,27 +44,24 @@ def assert_same_training(got: dict, want: dict, tol: float = 1e-5) -> None:
         assert torch.allclose(got["params"][name], p, atol=tol, rtol=0), name
 
 
-@pytest.fixture(scope="module")
-def ref8(tmp_path_factory):
-    return reference(tmp_path_factory.mktemp("ref8"), 8)
-
-
-@pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("layout", [["parallel.dp_replicate=2"], ["parallel.dp_shard=2"],
                                     ["parallel.dp_shard=2", "parallel.fsdp_cpu_offload=true"]],
                          ids=["ddp", "fsdp", "fsdp-cpu-offload"])
-def test_data_parallel_equals_one_process_on_the_full_batch(tmp_path, ref8, backend, layout):
-    ranks = run_ranks("train_tiny", 2, tmp_path, backend,
+def test_data_parallel_equals_one_process_on_the_full_batch(tmp_path, tmp_path_factory, device, layout):
+    need_devices(device, 2)
+    want = shared_reference(tmp_path_factory, 8, device)
+    ranks = run_ranks("train_tiny", 2, tmp_path, device,
                       sets=[*layout, f"run.dir={tmp_path}/runs", "run.name=dp"])
     assert ranks[0]["losses"] == ranks[1]["losses"]  # every rank logs the job's (reduced) loss
-    assert_same_training(ranks[0], ref8)
+    assert_same_training(ranks[0], want, tolerance(device))
     assert ranks[0]["summary"]["samples_per_s"] > 0
+    assert ranks[0]["summary"]["device"].startswith(device if device == "cpu" else ("cuda", "rocm", device))
 
 
-@pytest.mark.parametrize("backend", backends())
-def test_hsdp_equals_one_process_on_the_full_batch(tmp_path, tmp_path_factory, backend):
-    want = reference(tmp_path_factory.mktemp("ref16"), 16)
-    ranks = run_ranks("train_tiny", 4, tmp_path, backend, timeout=300,
+def test_hsdp_equals_one_process_on_the_full_batch(tmp_path, tmp_path_factory, device):
+    need_devices(device, 4)
+    want = shared_reference(tmp_path_factory, 16, device)
+    ranks = run_ranks("train_tiny", 4, tmp_path, device, timeout=300,
                       sets=["parallel.dp_replicate=2", "parallel.dp_shard=2", f"run.dir={tmp_path}/runs",
                             "run.name=hsdp"])
-    assert_same_training(ranks[0], want)
+    assert_same_training(ranks[0], want, tolerance(device))

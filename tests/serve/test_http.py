@@ -37,9 +37,10 @@ class Server:
     def __init__(self, model: Path, *args: str, env: dict | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # On the CPU on any machine: the answers are compared with a model loaded on the CPU here.
         self.proc = subprocess.Popen([sys.executable, "-m", "gpudl", "serve", str(model), "--port", str(self.port),
-                                      *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
+                                      "--device", "cpu", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env={**os.environ, **(env or {})})
         key = dict(zip(args, args[1:])).get("--api-key")
         self._wait_ready(headers={"Authorization": f"Bearer {key}"} if key else {})
 

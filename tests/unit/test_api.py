@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import pytest
 import torch
 import torch.nn.functional as F
 from rich.console import Console
@@ -36,8 +35,8 @@ def test_train_runs_twice_and_after_fit(tiny):
 
 def test_a_model_the_tensor_plan_cannot_split_is_refused_once_before_any_worker(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code = main(["train", "--nproc-per-node", "2", "--set", "parallel.tp=2", "--set", "model.n_head=3",
-                 "--set", "model.d_model=96"])
+    code = main(["train", "--device", "cpu", "--nproc-per-node", "2", "--set", "parallel.tp=2",
+                 "--set", "model.n_head=3", "--set", "model.d_model=96"])
     out = capsys.readouterr()
     assert code == 2 and "Launching" not in out.out
     assert len(out.err.strip().splitlines()) == 1 and "n_head=3" in out.err and "tp=2" in out.err, out.err

@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import math
 import shutil
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 
 from gpudl.config import load_config
-from gpudl.training.budget import TIMED_STEPS
+import gpudl.training.budget as budget_module
 from gpudl.training.recipe import train
 
 QUIET = Console(quiet=True)
 SMALL = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.block_size=32", "train.batch_size=4",
          "train.eval_every=0", "train.log_every=1", "sample.tokens=0", "checkpoint.export=false",
-         "log.progress=false", "train.precision=fp32", "optim.warmup_steps=3"]  # fewer than the steps timed: a loaded machine still decides more
+         "log.progress=false", "train.precision=fp32", "optim.warmup_steps=3", "run.device=cpu"]
+STEP_S = 0.05  # what the budget's clock says a step takes (a loaded machine cannot change the decision)
+
+
+@pytest.fixture(autouse=True)
+def steady_clock(monkeypatch):
+    """The budget reads a clock that advances STEP_S per step: the decision is budget / STEP_S steps
+    whatever else runs on the machine; what is tested is what the run does with the decision."""
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(budget_module, "time", SimpleNamespace(perf_counter=lambda: next(ticks) * STEP_S))
 
 
 def test_the_budget_decides_the_steps_and_the_schedule_ends_with_them(tmp_path):
@@ -24,7 +34,7 @@ def test_the_budget_decides_the_steps_and_the_schedule_ends_with_them(tmp_path):
     run = train(cfg, console=QUIET)
     steps = run.summary["steps"]
     saved = load_config(run.run_dir / "config.toml")
-    assert TIMED_STEPS + 1 <= steps < 5000 and saved.train.max_steps == steps and saved.train.time_budget_s == 0
+    assert steps == int(1.5 / STEP_S) and saved.train.max_steps == steps and saved.train.time_budget_s == 0
     train_records = [r for r in run.records if r["kind"] == "train"]
     lr = cfg.optim.lr
     # the cosine ends at the decided last step: its floor (min_lr_ratio x lr), not somewhere midway
@@ -44,7 +54,7 @@ def test_a_resumed_budgeted_run_is_the_run_that_was_decided(tmp_path):
         shutil.rmtree(later)  # as if the run had been stopped after step 21
     again = train(load_config(first.run_dir / "config.toml"), resume=first.run_dir, console=QUIET)
     losses = {r["step"]: r["loss"] for r in first.records if r["kind"] == "train"}
-    assert again.summary["steps"] == decided > 21
+    assert again.summary["steps"] == decided == int(3 / STEP_S)
     assert {r["step"]: r["loss"] for r in again.records if r["kind"] == "train"} == \
         {s: v for s, v in losses.items() if s > 21}
 

@@ -45,10 +45,10 @@ def test_generate_evaluate_export(trained_run):
 
 
 def test_info_json_and_tree():
-    out = run_cli("info", "--json", "--no-probe")
+    out = run_cli("info", "--json", "--no-probe", "--device", "cpu")  # the CPU's tree, beside any accelerator
     data = json.loads(out.stdout)
     assert data["present"][-1] == "cpu" and data["devices"][0]["compute_units"] >= 1
-    out = run_cli("info", "--no-probe")
+    out = run_cli("info", "--no-probe", "--device", "cpu")
     assert out.stdout.startswith("Using device:") and "cores" in out.stdout
 
 
@@ -70,8 +70,8 @@ def error_of(capsys, *argv):
     (["--precision", "fp64"], "train.precision must be"),
     (["--set", "model.name=gpt5"], "unknown model 'gpt5'"),
 ])
-def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv, words):
-    monkeypatch.chdir(tmp_path)
+def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, monkeypatch, no_accelerator, argv, words):
+    monkeypatch.chdir(tmp_path)  # no_accelerator: "--device cuda" is absent on a GPU machine too
     code, err = error_of(capsys, "train", *argv)
     assert code == 2 and words in err
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

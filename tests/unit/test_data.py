@@ -126,19 +126,17 @@ def test_token_stream_split_and_vocab(tmp_path):
     assert s.vocab_size == 8 and len(s.part("train")) == 80 and len(s.part("val")) == 20
 
 
-def test_device_loader_hands_out_batches_in_order_and_counts_position():
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_device_loader_hands_out_batches_in_order_on_the_device_and_counts_position(device, num_workers):
+    """Batch k on the device, whole and in order, made in this process or in a worker process (on an
+    accelerator: pinned and copied on a side stream, so also after the next copy has started)."""
     src = TextBatches(np.arange(500, dtype=np.uint16), 4, 2, seed=0)
-    loader = DeviceLoader(src, torch.device("cpu"), start=3)
-    for k in (3, 4, 5):
-        assert torch.equal(next(loader)[0], src.batch(k)[0])
+    loader = DeviceLoader(src, torch.device(device), start=3, num_workers=num_workers)
+    got = [next(loader) for _ in range(3)]
+    for k, (x, y) in zip((3, 4, 5), got):
+        assert x.device.type == y.device.type == torch.device(device).type
+        assert torch.equal(x.cpu(), src.batch(k)[0]) and torch.equal(y.cpu(), src.batch(k)[1])
     assert loader.position == 6
-
-
-def test_device_loader_with_worker_processes_gives_the_same_batches():
-    src = TextBatches(np.arange(500, dtype=np.uint16), 4, 2, seed=0)
-    loader = DeviceLoader(src, torch.device("cpu"), start=2, num_workers=1)
-    for k in (2, 3, 4):
-        assert torch.equal(next(loader)[0], src.batch(k)[0])
 
 
 def test_user_data_sources():

@@ -2,7 +2,9 @@
 
 The CPU is detected for real; every other backend is faked by patching only what `torch`
 reports (torch.accelerator, torch.cuda, torch.version, torch.get_device_module), so these
-tests run on a CPU-only machine and exercise device.py's own logic end to end.
+tests exercise discovery's own logic end to end on any machine. What a CPU-only machine must
+answer is asked with the accelerator hidden (`no_accelerator`), so it holds on a GPU machine
+too; where an accelerator is present, the real one is detected as well (`accelerator`).
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def _text(renderable) -> str:
 # ---------------------------------------------------------------- the real CPU
 
 
-def test_real_cpu_is_detected():
+def test_real_cpu_is_detected(no_accelerator):
     info = detect("auto")
     assert info.kind == "cpu" and info.type == "cpu" and info.index is None
     assert info.compute_units >= 1 and info.unit_name == "core"
@@ -90,12 +92,18 @@ def test_real_cpu_is_detected():
     assert detect(" CPU ") == info
 
 
-def test_available_lists_cpu_last():
-    assert available() == ["cpu"]  # this CPU-only test machine
+def test_real_cpu_is_detected_when_asked_for_beside_an_accelerator():
+    info = detect("cpu")  # whatever else the machine has
+    assert (info.kind, info.type, info.index) == ("cpu", "cpu", None) and info.dist_backend == "gloo"
+    assert available()[-1] == "cpu"
+
+
+def test_available_lists_cpu_last(no_accelerator):
+    assert available() == ["cpu"]  # a CPU-only machine
 
 
 @pytest.mark.parametrize("requested", ["cuda", "mps", "xpu", "rocm", "cuda:0", "tpu"])
-def test_absent_device_lists_what_is_present(requested):
+def test_absent_device_lists_what_is_present(no_accelerator, requested):
     with pytest.raises(UserError) as err:
         detect(requested)
     message = str(err.value)
@@ -107,6 +115,28 @@ def test_absent_device_lists_what_is_present(requested):
 def test_malformed_request_is_a_user_error(requested):
     with pytest.raises(UserError, match="bad index"):
         detect(requested)
+
+
+# ---------------------------------------------------------------- the real accelerator, where there is one
+
+
+def test_real_accelerator_is_detected(accelerator):
+    count = torch.accelerator.device_count()
+    kinds = available()
+    kind = kinds[0]
+    assert kind in (accelerator, "rocm" if accelerator == "cuda" else accelerator) and kinds[-1] == "cpu"
+    info = detect(accelerator)
+    assert (info.type, info.kind, info.index, info.count) == (accelerator, kind, 0, count)
+    assert info.torch_device == torch.device(accelerator, 0)
+    assert detect("auto") == info == detect(kind)  # the accelerator is the best device present
+    if accelerator in ("cuda", "xpu"):  # the collective library torch ships for it: NCCL (RCCL on ROCm), XCCL
+        assert info.dist_backend == torch.distributed.get_default_backend_for_device(accelerator)
+    assert info.precisions()[0] == "fp32" and info.versions["torch"] == torch.__version__.split("+")[0]
+    assert info.memory_bytes is None or info.memory_bytes > 0  # None: a backend that does not say
+    assert detect(f"{accelerator}:{count - 1}").index == count - 1
+    assert detect("auto", local_rank=count).index == 0  # more ranks than devices wrap around
+    with pytest.raises(UserError, match=rf"does not exist: this machine has {count} {kind} device"):
+        detect(f"{accelerator}:{count}")
 
 
 # ---------------------------------------------------------------- NVIDIA (faked)
@@ -380,7 +410,7 @@ def test_import_detects_nothing():
         spy(torch.backends.cpu, "get_cpu_capability")
         import gpudl, gpudl.device, gpudl.device.info, gpudl.device.peak, gpudl.cli
         at_import = list(calls)
-        gpudl.detect("auto")
+        gpudl.detect("cpu")  # the CPU on any machine: "auto" would describe an accelerator where there is one
         print(json.dumps({"at_import": at_import, "after_detect": calls}))
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)

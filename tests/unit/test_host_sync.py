@@ -104,6 +104,7 @@ def test_the_host_guard_reads_every_step(tiny, monkeypatch):
     assert set(range(12)) <= set(reads), reads
 
 
+@pytest.mark.accelerator
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's sync detector needs CUDA")
 def test_no_sync_between_log_steps_on_cuda(tiny, monkeypatch):
     reads = _run(tiny, monkeypatch, device="cuda")

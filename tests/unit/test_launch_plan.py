@@ -74,7 +74,8 @@ def test_the_launcher_checks_before_starting_anything(capsys, tmp_path, monkeypa
     assert main(["train", "--nproc-per-node", "3", "--set", "parallel.tp=2"]) == 2
     err = capsys.readouterr().err
     assert "need a number of processes divisible by 2, got 3" in err and len(err.strip().splitlines()) == 1
-    assert main(["train", "--nproc-per-node", "2", "--nnodes", "2", "--rdzv-endpoint", "x:1"]) == 2
+    # On the CPU: a machine with one GPU would refuse two processes per node first.
+    assert main(["train", "--device", "cpu", "--nproc-per-node", "2", "--nnodes", "2", "--rdzv-endpoint", "x:1"]) == 2
     assert "needs one run name on all of them" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 

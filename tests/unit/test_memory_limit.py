@@ -261,6 +261,7 @@ def test_compile_with_a_cpu_limit_is_refused():
     check_compatible(False, CPU)
 
 
+@pytest.mark.accelerator
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA branch needs a CUDA device")
 def test_cuda_limit_is_the_allocators_and_is_restored():
     info = detect("cuda")

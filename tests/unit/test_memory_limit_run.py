@@ -19,7 +19,8 @@ from gpudl.memory.fake_jobs import estimate
 
 GPT = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.block_size=64", "train.precision=fp32",
        "train.max_steps=5", "train.log_every=1", "train.eval_every=0", "sample.tokens=0", "log.progress=false",
-       "log.plot=false", "train.time_budget_s=0", "checkpoint.export=false", "train.attention=sdpa"]
+       "log.plot=false", "train.time_budget_s=0", "checkpoint.export=false", "train.attention=sdpa",
+       "run.device=cpu"]  # the CPU's limit (live bytes) on any machine
 
 
 def records(run: Path, kind: str) -> list[dict]:

@@ -161,7 +161,7 @@ def test_a_small_validation_part_is_evaluated_once_with_a_short_batch(capsys, tm
     small = ["--config", "resnet18", "--set", "model.width=8", "--set", "train.batch_size=64",
              "--set", "data.val_fraction=0.01", "--set", "train.max_steps=2", "--set", "train.eval_every=0",
              "--set", "data.image_size=16", "--set", "log.progress=false", "--set", "run.name=small",
-             "--set", "train.precision=fp32"]
+             "--set", "train.precision=fp32", "--set", "run.device=cpu"]
     out = run_cli("train", *small, cwd=tmp_path)
     assert out.returncode == 0 and "Evaluation: none" not in out.stdout, out.stderr
     records = [json.loads(line) for line in (tmp_path / "runs/small/metrics.jsonl").read_text().splitlines()]
