@@ -185,7 +185,7 @@ def launch_training(args, cfg: Config, console: Console) -> int:
         raise UserError(f"run folder {run_dir} already holds a run: continue it with --resume {run_dir}, "
                         f"or choose another --set run.name=...")
     console.print(f"Launching {la.nproc_per_node} process(es) per node x {la.nnodes} node(s) "
-                  f"on {available()[0]}; run folder {run_dir}")
+                  f"on {available()[0] if cfg.run.device == 'auto' else cfg.run.device}; run folder {run_dir}")
     code = launch(la, _worker_argv(args, run_dir))
     if code > 128:
         console.print(_stopped(code, run_dir, la), markup=False, soft_wrap=True)
