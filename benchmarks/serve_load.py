@@ -8,7 +8,9 @@ request (the baseline LitServe and Triton compare themselves with). Clients are 
 httpx, each sending its next request when its last is answered, for a fixed time per point.
 Printed: throughput (images/s or tokens/s), p50 and p99 latency, errors, and the ratios the
 goals are stated in (ResNet with batching >= 4x the throughput of batch-1 serving at p99 <= 2x
-its latency; GPT >= 4x the tokens/s of one request at a time at 16 streams).
+its latency; GPT >= 4x the tokens/s of one request at a time at 16 streams). First, for each
+model, the most batching can buy on this machine: the model alone, a call of 32 rows (a decoding
+step of 32 sequences for the GPT) against a call of one, in throughput.
 
     python benchmarks/serve_load.py                       # both models, concurrency 1 4 16 64
     python benchmarks/serve_load.py --models resnet --seconds 5 --concurrency 1 16
@@ -112,6 +114,19 @@ async def load(url: str, path: str, body: dict, units: int, concurrency: int, se
             "errors": errors, "answered": len(latencies)}
 
 
+def ceiling(kind: str, folder: Path, device: str, batch: int = 32) -> float:
+    """What batching can buy at most: the model alone, in this process, at `batch` rows (or
+    sequences) a call against one, in throughput (best of 5 calls, torch's default threads)."""
+    import torch
+
+    from gpudl.serve.load import load_model
+    from gpudl.serve.threads import full_batch_call, seconds_per_call
+
+    loaded = load_model(folder, device=device)
+    one, full = (seconds_per_call(full_batch_call(loaded, n), repeats=5) for n in (1, batch))
+    return batch * one / full
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["resnet", "gpt"], choices=["resnet", "gpt"])
@@ -119,18 +134,25 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0, help="per point")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--device", default="cpu", help="where the servers run the model (default: cpu)")
+    ap.add_argument("--threads", type=int, help="gpudl serve --threads (CPU; default: measured by the server)")
+    ap.add_argument("--servers", nargs="+", default=["batching", "batch-1", "plain"],
+                    choices=["batching", "batch-1", "plain"])
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="gpudl-serve-load-") as tmp:
         for kind in args.models:
             folder = export(kind, Path(tmp) / kind)
             name = "resnet18" if kind == "resnet" else "gpt-tiny"
-            for style in ("batching", "batch-1", "plain"):
+            bound = ceiling(kind, folder, args.device)
+            rows.append({"model": kind, "server": "model alone", "batch_over_one": bound})
+            print(f"{kind:6} the model alone: a batch of 32 gives {bound:.2f}x the throughput of batch 1", flush=True)
+            for style in args.servers:
                 port = _port()
                 url = f"http://127.0.0.1:{port}"
                 argv = [sys.executable, "-m", "gpudl", "serve", str(folder), "--port", str(port), "--device", args.device]
                 argv += {"batching": [], "batch-1": ["--max-batch-size", "1"],
                          "plain": None}[style] or []
+                argv += ["--threads", str(args.threads)] if args.threads else []
                 if style == "plain":
                     argv = [sys.executable, str(Path(__file__).parent / "serve_plain.py"), str(folder), str(port), args.device]
                 proc = start(argv, url)
@@ -150,7 +172,7 @@ def main() -> None:
 
 
 def _ratios(rows: list[dict]) -> None:
-    at = {(r["model"], r["server"], r["concurrency"]): r for r in rows}
+    at = {(r["model"], r["server"], r["concurrency"]): r for r in rows if "concurrency" in r}
     for (model, server, c), r in sorted(at.items()):
         one = at.get((model, "batch-1", c))
         if server == "batching" and one:

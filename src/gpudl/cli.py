@@ -97,6 +97,8 @@ def _serve_parser(sub, common) -> None:
     p.add_argument("--request-timeout-s", type=float, default=60.0, help="a request still queued after this: 504")
     p.add_argument("--api-key", help="requests must send it (Authorization: Bearer KEY); or set GPUDL_API_KEY")
     p.add_argument("--name", help="what clients call the model (default: its preset's name, e.g. gpt-tiny)")
+    p.add_argument("--threads", type=int, help="CPU: torch threads for the model (default: the fewest within "
+                                               "10%% of the fastest, measured at start)")
 
 
 def _plan_parser(sub) -> None:

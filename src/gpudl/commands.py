@@ -165,7 +165,8 @@ def cmd_serve(args, console: Console) -> int:
     return serve(ServeOptions(path=args.model, host=args.host, port=args.port, device=args.device or "auto",
                               precision=args.precision or "auto", max_batch_size=args.max_batch_size,
                               max_queue_delay_ms=args.max_queue_delay_ms, max_queue=args.max_queue,
-                              api_key=args.api_key, request_timeout_s=args.request_timeout_s, name=args.name), console)
+                              api_key=args.api_key, request_timeout_s=args.request_timeout_s, name=args.name,
+                              threads=args.threads), console)
 
 
 def cmd_plan(args, console: Console) -> int:

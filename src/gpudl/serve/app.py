@@ -42,6 +42,7 @@ class Served:
     metrics: Metrics | None = None
     key_required: bool = False
     server: object | None = None          # the uvicorn server, told to exit when loading fails
+    threads: str | None = None            # on the CPU: the intra-op threads chosen, and why
     started: float = field(default_factory=time.time)
 
     @property

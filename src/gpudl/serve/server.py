@@ -35,6 +35,7 @@ class ServeOptions:
     max_body_bytes: int = 64 * 2**20
     grace_s: float = 30.0
     name: str | None = None           # what clients call the model (default: the preset's name, e.g. gpt-tiny)
+    threads: int | None = None        # CPU only: torch's intra-op threads; None: measured at start (threads.py)
 
 
 def check(options: ServeOptions) -> str | None:
@@ -42,9 +43,9 @@ def check(options: ServeOptions) -> str | None:
     if not 0 < options.port < 65536:
         raise UserError(f"--port {options.port} is not a TCP port: use 1-65535 (8000 by default)")
     if options.max_batch_size < 1 or options.max_queue_delay_ms < 0 or options.max_queue < 1 \
-            or options.request_timeout_s <= 0:
-        raise UserError("--max-batch-size and --max-queue must be >= 1, --max-queue-delay-ms >= 0 and "
-                        "--request-timeout-s > 0")
+            or options.request_timeout_s <= 0 or (options.threads is not None and options.threads < 1):
+        raise UserError("--max-batch-size, --max-queue and --threads must be >= 1, --max-queue-delay-ms >= 0 "
+                        "and --request-timeout-s > 0")
     if options.path is not None and not Path(options.path).exists():
         raise UserError(f"{options.path!r} does not exist: give a run folder (runs/...) or a folder that "
                         f"`gpudl export` wrote")
@@ -97,6 +98,8 @@ async def _load(served, options: ServeOptions, console: Console, failed: list[st
         served.server.should_exit = True
         return
     loaded.name = options.name or loaded.name  # what clients call it: the preset's name unless --name
+    if loaded.device.type == "cpu":
+        served.threads = await asyncio.to_thread(_cpu_threads, loaded, options)
     served.name, served.loaded = loaded.name, loaded
     engine = make_engine(loaded, max_batch_size=options.max_batch_size,
                          max_queue_delay_ms=options.max_queue_delay_ms, max_queue=options.max_queue)
@@ -113,8 +116,24 @@ def _started_line(served, options: ServeOptions) -> str:
     if loaded.kind == "gpt":
         endpoints += ["/v1/completions", "/v1/chat/completions"]
     key = " · API key required" if served.key_required else ""
-    return (f"Serving {served.name} ({loaded.describe}) on {loaded.device_label} at {address} · "
+    threads = f" ({served.threads})" if served.threads else ""
+    return (f"Serving {served.name} ({loaded.describe}) on {loaded.device_label}{threads} at {address} · "
             f"{' · '.join(endpoints)} · /v2/health/ready · /metrics{key}")
+
+
+def _cpu_threads(loaded, options: ServeOptions) -> str:
+    """Set torch's intra-op threads for a model served on the CPU; says how many and why."""
+    import torch
+
+    from ..device.discovery import usable_cpus
+    from .threads import choose_threads, full_batch_call
+
+    cores = usable_cpus()
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+        return f"{options.threads} of {cores} CPU threads, as asked"
+    chosen, _ = choose_threads(full_batch_call(loaded, options.max_batch_size), cores)
+    return f"{chosen} of {cores} CPU threads, measured"
 
 
 def make_engine(loaded, *, max_batch_size: int = 32, max_queue_delay_ms: float = 5.0, max_queue: int = 256):
