@@ -155,6 +155,8 @@ def cmd_export(args, console: Console) -> int:
     if out.is_dir():
         raise UserError(f"--out {str(out)!r} is a folder: give a file name, e.g. {out / 'model.safetensors'}")
     meta = {"gpudl_model": t.spec.name, "config": json.dumps(dataclasses.asdict(t.spec.config)), "step": str(t.step)}
+    if t.spec.family != "gpt":  # the input shape a server expects, even where the file travels without its config
+        meta["image_size"] = str(t.cfg.data.image_size)
     console.print(f"Wrote {export_safetensors(t.model, out, meta)}")
     return 0
 
