@@ -203,3 +203,15 @@ def test_resume_is_bit_identical_with_deterministic_kernels(tmp_path, accelerato
     assert out["cut"] == out["full"]  # two runs of the same 12 steps: deterministic kernels indeed
     assert out["resumed"] == {s: v for s, v in out["full"].items() if int(s) > 6}
     assert out["unequal"] == []
+
+
+def test_fp32_convolutions_are_fp32_not_tf32(accelerator):
+    """Under the fp32 policy a convolution agrees with float64 as fp32 does (TF32 keeps 10 mantissa
+    bits: its error would be ~1e-3 relative, far past the bound)."""
+    info = detect(accelerator)
+    make_precision("fp32", info)
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 64, 32, 32, generator=gen), torch.randn(64, 64, 3, 3, generator=gen)
+    exact = F.conv2d(x.double(), w.double(), padding=1)
+    got = F.conv2d(x.to(info.torch_device), w.to(info.torch_device), padding=1).cpu().double()
+    assert ((got - exact).norm() / exact.norm()).item() < 1e-5

@@ -86,3 +86,18 @@ def test_auto_on_accelerators():
     assert prec.auto_policy(dataclasses.replace(gpu, bf16=True, fp16=True))[0] == "bf16-mixed"
     assert prec.auto_policy(dataclasses.replace(gpu, bf16=False, fp16=True))[0] == "fp16-mixed"
     assert prec.auto_policy(dataclasses.replace(gpu, bf16=False, fp16=False))[0] == "fp32"
+
+
+def test_fp32_means_no_tf32_convolutions_on_cuda_and_the_others_restore_torchs_default():
+    # cuDNN's fp32 convolutions default to TF32; the fp32 policy must not silently run them so.
+    before = torch.backends.cudnn.allow_tf32
+    gpu = dataclasses.replace(cpu(), kind="cuda", type="cuda", index=0, name="Fake GPU", bf16=True)
+    try:
+        prec.make_precision("fp32", gpu)
+        assert torch.backends.cudnn.allow_tf32 is False
+        prec.make_precision("fp32", cpu())  # the CPU leaves cuDNN's setting alone
+        assert torch.backends.cudnn.allow_tf32 is False
+        prec.make_precision("bf16-mixed", gpu)
+        assert torch.backends.cudnn.allow_tf32 is True
+    finally:
+        torch.backends.cudnn.allow_tf32 = before

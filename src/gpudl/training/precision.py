@@ -108,6 +108,20 @@ def _check_supported(name: str, info: DeviceInfo) -> None:
                         f"use one of {', '.join(others)}")
 
 
+def _cudnn_tf32(info: DeviceInfo, allow: bool) -> None:
+    """Whether cuDNN may run fp32 convolutions in TF32: not under the fp32 policy; torch's default
+    (yes) under the others.
+
+    torch runs fp32 matmuls in IEEE fp32 by default but fp32 convolutions in TF32 on Ampere and
+    later, so a ResNet "in fp32" would run at TF32's speed and precision while its MFU is taken
+    against the fp32 peak. Set for every policy, so runs in one process do not inherit each other's.
+    The flag of torch's older API, which sets convolutions and RNNs alike: setting only
+    `cudnn.conv.fp32_precision` of the newer one makes torch refuse to read `allow_tf32` after.
+    """
+    if info.type == "cuda":
+        torch.backends.cudnn.allow_tf32 = allow
+
+
 def make_precision(name: str, info: DeviceInfo) -> Precision:
     """The policy named `name` (or the best one for "auto") on device `info`."""
     reason = "asked for"
@@ -116,6 +130,7 @@ def make_precision(name: str, info: DeviceInfo) -> Precision:
     if name not in POLICIES:
         raise UserError(f"unknown precision {name!r}; choose one of: auto, {', '.join(POLICIES)}")
     _check_supported(name, info)
+    _cudnn_tf32(info, allow=name != "fp32")
     dtype = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "bf16-true": None}[name]
     scaler = torch.amp.GradScaler(info.type) if name == "fp16-mixed" else None
     param_dtype = torch.bfloat16 if name == "bf16-true" else torch.float32
