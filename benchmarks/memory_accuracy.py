@@ -13,11 +13,16 @@ and the error. The last line: the number of cases, the median and the worst abso
     python benchmarks/memory_accuracy.py --only pp       # one strategy's cases (repeat for more)
     python benchmarks/memory_accuracy.py --match x4      # the cases whose title has "x4" (repeat for more)
     python benchmarks/memory_accuracy.py --json out.json
+    python benchmarks/memory_accuracy.py --device cuda   # on the GPU: measured by torch.cuda.max_memory_allocated
+
+On an accelerator the estimate traces the job for that device and the measurement is the
+allocator's own peak over the real step (cases needing more processes than devices are skipped).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -91,16 +96,33 @@ def run_case(case: Case, workdir: Path) -> dict:
             "measured_bytes": measured, "error": predicted.peak / measured - 1, "estimate_s": estimate_s}
 
 
+def _fitting(cases: list[Case], device: str) -> list[Case]:
+    """The cases with no more processes than the device has units (every case on the CPU)."""
+    if device == "cpu":
+        return cases
+    import torch
+
+    units = torch.get_device_module(device).device_count()
+    kept = [c for c in cases if c.world <= units]
+    if len(kept) < len(cases):
+        print(f"({len(cases) - len(kept)} cases skipped: they need more processes than the {units} {device} devices here)")
+    return kept
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="only the small cases")
     ap.add_argument("--only", action="append", choices=STRATEGIES, help="only this strategy's cases")
     ap.add_argument("--match", action="append", metavar="TEXT", help="only the cases whose title has TEXT")
     ap.add_argument("--json", type=Path, help="also write every row here")
+    ap.add_argument("--device", default="cpu", help="cpu (default), or cuda")
     args = ap.parse_args()
     rows = []
-    cases = [c for c in (QUICK if args.quick else SUITE) if (not args.only or c.strategy in args.only)
-             and (not args.match or any(m in c.title for m in args.match))]
+    cases = [dataclasses.replace(c, device=args.device) for c in (QUICK if args.quick else SUITE)
+             if (not args.only or c.strategy in args.only) and (not args.match or any(m in c.title for m in args.match))]
+    cases = _fitting(cases, args.device)
+    if not cases:
+        raise SystemExit("no case to run: widen --only/--match, or use a machine with the devices they need")
     width = max(48, *(len(c.title) for c in cases))
     print(f"{'case':<{width}} {'predicted MiB':>14} {'measured MiB':>13} {'error':>8} {'estimate s':>11}")
     with tempfile.TemporaryDirectory(prefix="gpudl-memory-accuracy-") as tmp:

@@ -34,6 +34,10 @@ Two sources of those sizes, `method=`:
       never seen freed and inflates every later figure (gpt2-124m FSDP: +54 MiB; gpt-tiny TP:
       rank 1's baseline +5.6 MiB and growing). `experimental_config=_ExperimentalConfig(
       profile_all_threads=True)` records no memory events at all (torch 2.13).
+  "allocator" (what a case on an accelerator uses): the device's caching allocator's own counters,
+      `torch.cuda.memory_allocated` at the step's start and end and `torch.cuda.max_memory_allocated`
+      over the step (its peak reset at the start), each less what was allocated before the job was
+      built. No c10 log or profiler: they see host memory, and the job's tensors are on the device.
 
 As a script (prints one line per rank; its scratch folder is removed):
 
@@ -67,7 +71,7 @@ from memory_observers import C10AllocationLog, held_tensors, live_bytes, profile
 
 MiB = 2**20
 STRATEGIES = ("single", "ddp", "fsdp", "tp", "pp")
-METHODS = ("c10-log", "profiler")
+METHODS = ("c10-log", "profiler", "allocator")
 INIT_ENV = "GPUDL_MEMORY_MEASURE_INIT"      # the rendezvous (file://...) a rank passes to start_session
 STEP_MARK = "memory_measure/step{}"         # record_function names around each training step
 # Variables by which a process would think it belongs to a job: a world-1 case must not inherit them.
@@ -85,6 +89,7 @@ class Case:
     activation_checkpointing: bool = False
     strategy: str = "single"      # "single" | "ddp" | "fsdp" | "tp" | "pp"
     world: int = 1                # processes (2 for every strategy but single)
+    device: str = "cpu"           # "cpu", or "cuda": measured with the device allocator's counters
     # Model settings, e.g. (("block_size", 256),); a dotted key is a config key ("data.image_size").
     overrides: tuple[tuple[str, object], ...] = ()
 
@@ -100,7 +105,7 @@ class Case:
         sets = [f"model.name={self.model}", f"train.batch_size={self.batch_size}",
                 f"train.precision={self.precision}",
                 f"train.activation_checkpointing={_toml(self.activation_checkpointing)}",
-                "train.compile=false", "train.attention=sdpa", "data.kind=synthetic"]
+                "train.compile=false", "train.attention=sdpa", "data.kind=synthetic", f"run.device={self.device}"]
         if self.strategy == "pp":  # defaults an override may change ("parallel.pp_schedule", "parallel.pp_microbatches")
             sets += ["model.tie_embeddings=false", "parallel.pp_microbatches=2"]
         w = self.world
@@ -124,7 +129,8 @@ class Case:
     def title(self) -> str:
         extra = "".join(f" {k}={v}" for k, v in self.overrides)
         ac = " +ac" if self.activation_checkpointing else ""
-        return f"{self.model} b{self.batch_size} {self.precision}{ac} {self.strategy}x{self.world}{extra}"
+        on = "" if self.device == "cpu" else f" on {self.device}"
+        return f"{self.model} b{self.batch_size} {self.precision}{ac} {self.strategy}x{self.world}{extra}{on}"
 
 
 def _toml(value: object) -> str:
@@ -155,8 +161,11 @@ def measure_this_process(case: Case, method: str = "c10-log", scratch: Path | No
         name = f"c10-rank{session.rank}.log" if scratch else f"gpudl-memory-c10-{os.getpid()}.log"
         log = C10AllocationLog(Path(scratch or tempfile.gettempdir()) / name)
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if method == "profiler" else None
-    job, t_step = _build_job_and_record_two_steps(cfg, session, precision, spec, data, log, prof)
-    if prof:
+    counters = DeviceCounters() if method == "allocator" else None
+    job, t_step = _build_job_and_record_two_steps(cfg, session, precision, spec, data, log or counters, prof)
+    if counters:
+        window = counters.window()
+    elif prof:
         deltas, marks = profiler_deltas(prof)
         if STEP_MARK.format(2) not in marks:
             raise RuntimeError(f"the profiler recorded no {STEP_MARK.format(2)!r} marker: cannot find step 2")
@@ -246,6 +255,40 @@ def _worker(case_json: str, out: str, method: str) -> None:
     os._exit(0)
 
 
+class DeviceCounters:
+    """The device allocator's counters over step 2, in the shape of `C10AllocationLog`'s window.
+
+    Used where `_build_job_and_record_two_steps` takes a log: `start` before the job is built,
+    `mark` at each step's edges, `stop` after. Bytes allocated before `start` are not counted.
+    """
+
+    def __init__(self):
+        import torch
+
+        self.cuda = torch.cuda
+        self.at: dict[str, int] = {}
+
+    def start(self) -> None:
+        self.cuda.synchronize()
+        self.before = self.cuda.memory_allocated()
+
+    def mark(self, name: str) -> None:
+        self.cuda.synchronize()  # every kernel of the step has run: its frees are counted
+        self.at[name] = self.cuda.memory_allocated() - self.before
+        if name == "step2-begin":
+            self.cuda.reset_peak_memory_stats()
+        if name == "step2-end":
+            self.at["peak"] = self.cuda.max_memory_allocated() - self.before
+
+    def stop(self) -> None:
+        pass
+
+    def window(self) -> dict:
+        base = self.at["step2-begin"]
+        return {"baseline_bytes": base, "peak_bytes": self.at["peak"], "step_peak_bytes": self.at["peak"] - base,
+                "end_bytes": self.at["step2-end"]}
+
+
 # ---------------------------------------------------------------------------------------------
 # Many ranks: real processes joined by a file:// rendezvous, each measuring itself.
 
@@ -272,6 +315,8 @@ def measure(case: Case, workdir: Path, timeout: float = 300.0, method: str = "c1
     gloo through a file:// rendezvous there; each builds the job with gpudl's code and measures
     its own second training step. Kills them all on a timeout; a failure raises with each rank's output.
     """
+    if case.device != "cpu":
+        method = "allocator"  # the job's tensors are on the device: host-side observers do not see them
     if method not in METHODS:
         raise ValueError(f"method {method!r}: choose one of {', '.join(METHODS)}")
     workdir = Path(workdir)
@@ -338,11 +383,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a model setting (block_size=64) or a config key (data.image_size=32)")
     ap.add_argument("--method", default="c10-log", choices=METHODS)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (measured with the allocator's counters)")
     ap.add_argument("--timeout", type=float, default=300.0)
     a = ap.parse_args(argv)
     world = a.world or (1 if a.strategy == "single" else 2)
     overrides = tuple((k.strip(), _parse_value(v.strip())) for k, _, v in (s.partition("=") for s in a.set))
-    case = Case(a.model, a.batch_size, a.precision, a.ac, a.strategy, world, overrides)
+    case = Case(a.model, a.batch_size, a.precision, a.ac, a.strategy, world, a.device, overrides)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpudl-memory-measure-") as tmp:
         ranks = measure(case, Path(tmp), a.timeout, a.method)

@@ -117,8 +117,6 @@ async def load(url: str, path: str, body: dict, units: int, concurrency: int, se
 def ceiling(kind: str, folder: Path, device: str, batch: int = 32) -> float:
     """What batching can buy at most: the model alone, in this process, at `batch` rows (or
     sequences) a call against one, in throughput (best of 5 calls, torch's default threads)."""
-    import torch
-
     from gpudl.serve.load import load_model
     from gpudl.serve.threads import full_batch_call, seconds_per_call
 

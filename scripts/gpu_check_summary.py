@@ -37,7 +37,7 @@ PHASES = [
      read.peers),
     ("peers-defaults", "the same, each with its own defaults (benchmarks/peers.py)", read.peers),
     ("train", "the default training run, `gpudl train`", read.train),
-    ("memory-accuracy", "memory estimate against measured peaks (benchmarks/memory_accuracy.py; CPU only)",
+    ("memory-accuracy", "memory estimate against measured peaks (benchmarks/memory_accuracy.py)",
      read.memory_accuracy),
     ("serve-load", "serving with batching against batch-1 and plain (benchmarks/serve_load.py; on the GPU in a real run)",
      read.serve_load),

@@ -6,6 +6,7 @@ second training step, in fresh processes): nothing there shares code with the es
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -45,6 +46,17 @@ def test_the_estimate_is_within_10_percent_of_a_real_step(tmp_path, case):
     predicted = estimate(load_config(None, case.config_sets()), case.world).peak
     measured = max(r["peak_bytes"] for r in mm.measure(case, tmp_path))
     assert predicted == pytest.approx(measured, rel=0.10), (predicted / 2**20, measured / 2**20)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.world == 1], ids=lambda c: c.title)
+def test_on_a_gpu_the_estimate_is_within_10_percent_of_max_memory_allocated(tmp_path, accelerator, case):
+    if accelerator != "cuda":
+        pytest.skip(f"the measurement reads torch.cuda's allocator counters; this machine has {accelerator}")
+    case = dataclasses.replace(case, device="cuda")
+    predicted = estimate(load_config(None, case.config_sets()), case.world).peak
+    measured = mm.measure(case, tmp_path)[0]
+    assert measured["method"] == "allocator"
+    assert predicted == pytest.approx(measured["peak_bytes"], rel=0.10), (predicted / 2**20, measured["peak_bytes"] / 2**20)
 
 
 def test_a_plan_for_gpus_that_are_not_here_fits_and_says_why(capsys):
