@@ -67,7 +67,8 @@ from pathlib import Path
 
 # Run as a script this folder is on sys.path already; loaded by file path (the tests) it is not: add it for memory_observers.
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
-from memory_observers import C10AllocationLog, held_tensors, live_bytes, profiler_deltas, storage_bytes  # noqa: E402
+from memory_observers import (C10AllocationLog, DeviceCounters, held_tensors, live_bytes, profiler_deltas,  # noqa: E402
+                              storage_bytes)
 
 MiB = 2**20
 STRATEGIES = ("single", "ddp", "fsdp", "tp", "pp")
@@ -253,40 +254,6 @@ def _worker(case_json: str, out: str, method: str) -> None:
     # The result is written: end now, as tests/distributed/_worker.py does (torch's C++ teardown of a
     # process group has, rarely, aborted a finished process at interpreter shutdown).
     os._exit(0)
-
-
-class DeviceCounters:
-    """The device allocator's counters over step 2, in the shape of `C10AllocationLog`'s window.
-
-    Used where `_build_job_and_record_two_steps` takes a log: `start` before the job is built,
-    `mark` at each step's edges, `stop` after. Bytes allocated before `start` are not counted.
-    """
-
-    def __init__(self):
-        import torch
-
-        self.cuda = torch.cuda
-        self.at: dict[str, int] = {}
-
-    def start(self) -> None:
-        self.cuda.synchronize()
-        self.before = self.cuda.memory_allocated()
-
-    def mark(self, name: str) -> None:
-        self.cuda.synchronize()  # every kernel of the step has run: its frees are counted
-        self.at[name] = self.cuda.memory_allocated() - self.before
-        if name == "step2-begin":
-            self.cuda.reset_peak_memory_stats()
-        if name == "step2-end":
-            self.at["peak"] = self.cuda.max_memory_allocated() - self.before
-
-    def stop(self) -> None:
-        pass
-
-    def window(self) -> dict:
-        base = self.at["step2-begin"]
-        return {"baseline_bytes": base, "peak_bytes": self.at["peak"], "step_peak_bytes": self.at["peak"] - base,
-                "end_bytes": self.at["step2-end"]}
 
 
 # ---------------------------------------------------------------------------------------------

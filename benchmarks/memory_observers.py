@@ -2,7 +2,8 @@
 sum of signed allocation sizes over a window (`live_bytes`), taken from `torch.profiler`'s memory
 events (`profiler_deltas`) or from c10's own CPU allocator log of every thread
 (`C10AllocationLog`), and the bytes a job holds between steps (`storage_bytes` of
-`held_tensors`). `benchmarks/memory_measure.py` measures a training step through them; they
+`held_tensors`); on an accelerator, the device allocator's own counters (`DeviceCounters`).
+`benchmarks/memory_measure.py` measures a training step through them; they
 share no code with gpudl's estimator, which is what they are compared with.
 """
 
@@ -160,3 +161,37 @@ class C10AllocationLog:
         if missing:
             raise RuntimeError(f"marks {missing} are not in {self.path}")
         return live_bytes(deltas, marks[begin], marks[end])
+
+
+class DeviceCounters:
+    """The device allocator's counters over step 2, in the shape of `C10AllocationLog`'s window.
+
+    Used where `_build_job_and_record_two_steps` takes a log: `start` before the job is built,
+    `mark` at each step's edges, `stop` after. Bytes allocated before `start` are not counted.
+    """
+
+    def __init__(self):
+        import torch
+
+        self.cuda = torch.cuda
+        self.at: dict[str, int] = {}
+
+    def start(self) -> None:
+        self.cuda.synchronize()
+        self.before = self.cuda.memory_allocated()
+
+    def mark(self, name: str) -> None:
+        self.cuda.synchronize()  # every kernel of the step has run: its frees are counted
+        self.at[name] = self.cuda.memory_allocated() - self.before
+        if name == "step2-begin":
+            self.cuda.reset_peak_memory_stats()
+        if name == "step2-end":
+            self.at["peak"] = self.cuda.max_memory_allocated() - self.before
+
+    def stop(self) -> None:
+        pass
+
+    def window(self) -> dict:
+        base = self.at["step2-begin"]
+        return {"baseline_bytes": base, "peak_bytes": self.at["peak"], "step_peak_bytes": self.at["peak"] - base,
+                "end_bytes": self.at["step2-end"]}
