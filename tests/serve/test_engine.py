@@ -458,3 +458,35 @@ def test_a_stream_left_early_frees_its_slot(gpt):
     ids, _ = run(body())
     assert ids == reference_tokens(gpt, PROMPTS[1], 12)
     assert gate.sizes[:3] == [1, 2, 2] and set(gate.sizes[3:]) == {1}  # gone from the very next step
+
+
+def test_the_public_api_serves_an_export_from_python(tmp_path, gpt, resnet):
+    """What the README shows: gpudl.serve's load_model and make_engine, from an export's files."""
+    import dataclasses
+    import json
+
+    from gpudl.checkpoint import export_safetensors
+    from gpudl.serve import Sampling as PublicSampling, load_model, make_engine
+
+    assert PublicSampling is Sampling
+    for name, model in (("gpt-tiny", gpt), ("resnet18", resnet)):
+        settings = dataclasses.asdict(model.cfg)
+        (tmp_path / name).mkdir()
+        export_safetensors(model, tmp_path / name / "model.safetensors",
+                           {"gpudl_model": name, "config": json.dumps(settings), "image_size": "16"})
+
+    async def answers():
+        engines = [make_engine(load_model(tmp_path / n, device="cpu")) for n in ("gpt-tiny", "resnet18")]
+        for e in engines:
+            e.start()
+        try:
+            ids, finish = await engines[0].complete(PROMPTS[0], Sampling(max_tokens=6, temperature=0))
+            logits = await engines[1].infer(images(3)[0])
+        finally:
+            for e in engines:
+                await e.stop()
+        return ids, finish, logits
+    ids, finish, logits = run(answers())
+    assert (ids, finish) == (reference_tokens(gpt, PROMPTS[0], 6), "length")
+    with torch.inference_mode():
+        assert torch.allclose(logits, resnet(images(3)[0]), rtol=1e-5, atol=1e-6)
