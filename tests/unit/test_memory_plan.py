@@ -117,3 +117,39 @@ def test_bad_plan_requests_are_one_line(capsys, argv, words):
     code = main(["plan", "--set", "model.n_layer=2", *argv])
     err = capsys.readouterr().err
     assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+class _Formula:
+    """In place of the trace workers: peak = weights + micro-batch x (activations per sample), a
+    quarter of them with checkpointing; records each micro-batch asked for."""
+
+    def __init__(self):
+        self.asked: list[tuple[int, bool]] = []
+
+    def estimate(self, cfg):
+        from gpudl.memory.estimate import Estimate
+
+        b, ac = cfg.train.batch_size, cfg.train.activation_checkpointing
+        self.asked.append((b, ac))
+        return Estimate("DDP", 2, {"params": 1000, "activations": b * (25 if ac else 100)})
+
+
+@pytest.mark.parametrize("usable, plain, checkpointed", [(2000, 8, 32), (1250, 1, 4), (1150, 0, 1), (1e9, 64, None)])
+def test_checkpointing_is_searched_only_above_the_plain_steps_micro_batch(usable, plain, checkpointed):
+    from gpudl.memory.plan import Machine, _layout_candidates
+
+    cfg = load_config(None, ["model.name=gpt-tiny", "train.batch_size=64"])
+    machine = Machine("test", "cuda", int(usable), {"fp32": 1e12}, 1e9, nproc=2, limit=int(usable))
+    formula = _Formula()
+    flat = {"parallel.tp": 1, "parallel.pp": 1, "parallel.dp_replicate": 2, "parallel.dp_shard": 1}
+    found = _layout_candidates(cfg, machine, formula, "DDP", flat, batch=128)
+    # the brute-force answer: the largest power-of-two micro-batch whose peak x 1.1 is within the memory
+    best = {ac: max((b for b in (1, 2, 4, 8, 16, 32, 64) if (1000 + b * (25 if ac else 100)) * 1.1 <= usable),
+                    default=0) for ac in (False, True)}
+    assert found[0].micro_batch == plain or (plain == 0 and not found[0].fits)
+    assert best[False] == plain
+    if checkpointed is None:
+        assert len(found) == 1  # the plain step fits without accumulation: nothing to buy
+    else:
+        assert found[1].fits and found[1].micro_batch == checkpointed == best[True]
+        assert all(b > plain for b, ac in formula.asked if ac)  # no checkpointed micro-batch at or below plain's

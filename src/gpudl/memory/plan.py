@@ -5,7 +5,9 @@ The global batch the config asks for (batch_size x grad_accum x data-parallel pr
 a smaller micro-batch means more accumulation. For each layout (one process; DDP, FSDP, HSDP,
 tensor parallelism over the processes) and activation checkpointing off and on, the largest
 micro-batch that fits is found by bisection over the halvings (memory grows with the
-micro-batch), so a layout costs a few traces, not one per micro-batch.
+micro-batch), so a layout costs a few traces, not one per micro-batch; with checkpointing, only
+the micro-batches larger than the plain step's largest are searched (a smaller one would only
+add recomputation to a step that already fits).
 
 Step time, for ranking (the absolute figure is indicative): compute = the step's FLOPs (counted
 once, x 4/3 with checkpointing, which runs each forward twice) / (processes x the precision's
@@ -159,7 +161,11 @@ def _layout_candidates(cfg: Config, machine: Machine, traces: FakeJobs, strategy
     plain = _largest_that_fits(cfg, machine, traces, strategy, parallel, False, batch)
     if plain.fits and plain.grad_accum <= _least_accumulation(cfg, parallel, machine, batch):
         return [plain]
-    return [plain, _largest_that_fits(cfg, machine, traces, strategy, parallel, True, batch)]
+    # Checkpointing only ever earns its recomputation with a larger micro-batch than the plain step's:
+    # smaller ones are not traced (they hold less than the plain step that fits at its size).
+    above = plain.micro_batch if plain.fits else 0
+    checkpointed = _largest_that_fits(cfg, machine, traces, strategy, parallel, True, batch, above)
+    return [plain] + ([checkpointed] if checkpointed else [])
 
 
 def _least_accumulation(cfg: Config, parallel: dict, machine: Machine, batch: int) -> int:
@@ -260,21 +266,25 @@ def _apply(cfg: Config, settings: dict[str, object]) -> Config:
 
 
 def _largest_that_fits(cfg: Config, machine: Machine, traces: FakeJobs, strategy: str, parallel: dict,
-                       ac: bool, batch: int) -> Candidate:
-    """The largest micro-batch (halving from batch / dp) of this layout that fits, by bisection."""
+                       ac: bool, batch: int, above: int = 0) -> Candidate | None:
+    """The largest micro-batch (halving from batch / dp, larger than `above`) of this layout that fits,
+    by bisection; None when no micro-batch the layout can take is larger than `above`."""
     from .estimate import dims_of
 
     dp = dims_of(_apply(cfg, parallel), machine.world).dp
     if batch % dp:
         return Candidate(strategy, parallel, ac, 0, 0, rejected=f"the global batch {batch} does not split over "
                                                                   f"{dp} data-parallel processes")
-    sizes = [batch // dp // 2**k for k in range(int(math.log2(batch // dp)) + 1) if (batch // dp) % 2**k == 0]
+    sizes = [batch // dp // 2**k for k in range(int(math.log2(batch // dp)) + 1)
+             if (batch // dp) % 2**k == 0 and batch // dp // 2**k > above]
     pp = int(parallel.get("parallel.pp", 1))
     if pp > 1:
         sizes = [b for b in sizes if pipeline_possible(_apply(cfg, parallel), pp, b)]
-        if not sizes:
-            return Candidate(strategy, parallel, ac, 0, 0, rejected=f"no micro-batch of the global batch {batch} "
-                                                                      f"splits into the schedule's micro-batches")
+    if not sizes and above:
+        return None
+    if not sizes:
+        return Candidate(strategy, parallel, ac, 0, 0, rejected=f"no micro-batch of the global batch {batch} "
+                                                                  f"splits into the schedule's micro-batches")
     tried: dict[int, Candidate] = {}
 
     def attempt(i: int) -> Candidate:
