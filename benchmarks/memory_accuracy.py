@@ -80,6 +80,11 @@ SUITE = [
     Case("gpt-tiny", 16, strategy="tp", world=2, overrides=(("parallel.tp_sequence_parallel", True),)),
     Case("gpt-tiny", 16, strategy="fsdp", world=4, overrides=(("parallel.dp_replicate", 2), ("parallel.dp_shard", 2))),
     Case("gpt-tiny", 16, strategy="tp", world=4, overrides=(("parallel.dp_shard", 2), ("parallel.tp", 2))),
+    # selective checkpointing: matmul, attention and convolution outputs kept, the rest recomputed
+    Case("gpt-tiny", 32, activation_checkpointing="selective"),
+    Case("gpt-tiny", 32, "bf16-mixed", "selective"),
+    Case("resnet18", 16, activation_checkpointing="selective", overrides=SMALL),
+    Case("gpt-tiny", 32, activation_checkpointing="selective", strategy="fsdp", world=2),
     # a deep model estimated from traces of 4 and 5 blocks (memory/depth.py), checkpointed and accumulating
     Case("gpt2-124m", 4, "bf16-mixed", True, strategy="fsdp", world=2, overrides=GPT2 + (("train.grad_accum", 2),)),
 ]

@@ -87,7 +87,7 @@ class Case:
     model: str                    # a gpudl preset: "gpt-tiny", "gpt2-124m", "resnet18", "resnet50"
     batch_size: int               # per rank (micro-batch)
     precision: str = "fp32"       # "fp32" | "bf16-mixed"
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False  # or "selective"
     strategy: str = "single"      # "single" | "ddp" | "fsdp" | "tp" | "pp"
     world: int = 1                # processes (2 for every strategy but single)
     device: str = "cpu"           # "cpu", or "cuda": measured with the device allocator's counters
@@ -129,7 +129,7 @@ class Case:
     @property
     def title(self) -> str:
         extra = "".join(f" {k}={v}" for k, v in self.overrides)
-        ac = " +ac" if self.activation_checkpointing else ""
+        ac = {True: " +ac", "selective": " +sac"}.get(self.activation_checkpointing, "")
         on = "" if self.device == "cpu" else f" on {self.device}"
         return f"{self.model} b{self.batch_size} {self.precision}{ac} {self.strategy}x{self.world}{extra}{on}"
 

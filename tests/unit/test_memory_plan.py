@@ -27,6 +27,7 @@ if not hasattr(mm, "measure"):
     _spec.loader.exec_module(mm)
 
 CASES = [mm.Case("gpt-tiny", 8), mm.Case("gpt-tiny", 32, "bf16-mixed", activation_checkpointing=True),
+         mm.Case("gpt-tiny", 16, activation_checkpointing="selective"),
          mm.Case("gpt-tiny", 8, strategy="ddp", world=2, overrides=(("train.grad_accum", 4),)), mm.Case("gpt-tiny", 32, strategy="fsdp", world=2),
          mm.Case("gpt-tiny", 32, strategy="tp", world=2), mm.Case("resnet18", 8, overrides=(("data.image_size", 32),)),
          mm.Case("resnet18", 8, strategy="ddp", world=2, overrides=(("data.image_size", 32),)),

@@ -19,10 +19,11 @@ def grads_of(model, x, y):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_activation_checkpointing_keeps_names_and_gradients():
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_names_and_gradients(mode):
     spec = models.resolve("gpt-tiny", {"n_layer": 2})
     plain = models.build(spec, torch.device("cpu"), seed=0)
-    ckpt = apply_activation_checkpointing(models.build(spec, torch.device("cpu"), seed=0))
+    ckpt = apply_activation_checkpointing(models.build(spec, torch.device("cpu"), seed=0), mode)
     assert [n for n, _ in plain.named_parameters()] == [n for n, _ in ckpt.named_parameters()]
     x = torch.randint(0, 256, (2, 32))
     la, ga = grads_of(plain, x, x)
@@ -40,6 +41,34 @@ def test_activation_checkpointing_really_recomputes():
     x = torch.randint(0, 256, (2, 16))
     model(x, x).backward()
     assert len(calls) == 2  # once in forward, once again during backward
+
+
+def _matmuls_in_backward(model, x) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counted = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func in counted
+            return func(*args, **(kwargs or {}))
+    loss = model(x, x)
+    with Count():
+        loss.backward()
+    return Count.n
+
+
+def test_selective_checkpointing_recomputes_no_matmul_and_full_recomputes_them_all():
+    spec = models.resolve("gpt-tiny", {"n_layer": 2})
+    x = torch.randint(0, 256, (2, 16))
+    plain = _matmuls_in_backward(models.build(spec, torch.device("cpu"), seed=0), x)
+    selective = _matmuls_in_backward(apply_activation_checkpointing(models.build(spec, "cpu", seed=0), "selective"), x)
+    full = _matmuls_in_backward(apply_activation_checkpointing(models.build(spec, "cpu", seed=0), "full"), x)
+    # Full checkpointing reruns a block's forward up to its last saved tensor: q, k, v, the attention's
+    # output projection and the MLP's first (torch stops before the MLP's last, whose output is not saved).
+    assert selective == plain and full == plain + 2 * 5
 
 
 def test_checkpoint_units_fall_back_to_the_largest_module_list():

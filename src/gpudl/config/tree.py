@@ -52,7 +52,9 @@ class TrainConfig:
     grad_accum: int = option(1, "micro-batches per optimizer step", ge=1)
     precision: PrecisionName = option("auto", "numeric precision; auto picks the fastest safe one")
     compile: bool | Literal["auto"] = option("auto", "torch.compile the model; auto: on for GPUs")
-    activation_checkpointing: bool = option(False, "recompute block activations in backward")
+    activation_checkpointing: bool | Literal["full", "selective"] = option(
+        False, "recompute block activations in backward: true or full, all of them; selective, all but the "
+               "outputs of matmuls, attention and convolutions (less memory saved, almost no FLOPs recomputed)")
     attention: Literal["auto", "sdpa"] = option(
         "auto", "attention kernel: auto takes, on the CPU in bf16/fp16, the one measured fastest per shape "
                 "(SDPA flash, SDPA math, or a composed one); sdpa: SDPA's own choice everywhere")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from ..config import ParallelConfig, TrainConfig
 from ..errors import UserError
@@ -44,14 +44,45 @@ def checkpoint_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
-    """Recompute each block's activations in backward instead of keeping them.
+def checkpoint_mode(setting: bool | str) -> str:
+    """`train.activation_checkpointing` as "off", "full" or "selective" (true is "full")."""
+    if isinstance(setting, bool):
+        return "full" if setting else "off"
+    return setting
+
+
+def _saved_by_selective() -> frozenset:
+    """The operators whose outputs selective checkpointing keeps: matrix products, attention and
+    convolutions, the expensive ones. Everything else in a block (norms, activations, dropout,
+    residual adds, casts) is recomputed in backward: cheap in FLOPs, and most of the bytes."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "convolution", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention")
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+def _selective_context():
+    saved = _saved_by_selective()
+
+    def policy(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> nn.Module:
+    """Recompute each block's activations in backward instead of keeping them: all of them
+    ("full"), or all but the outputs of its matmuls, attention and convolutions ("selective":
+    less memory saved, and almost no FLOPs recomputed).
 
     The block's forward is replaced on the instance, so parameter names (and therefore
     checkpoints) are the same with and without it.
     """
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation checkpointing mode {mode!r}: use full or selective")
+    context = {"full": noop_context_fn, "selective": _selective_context}[mode]
     for unit in checkpoint_units(model):
-        unit.forward = functools.partial(checkpoint, unit.forward, use_reentrant=False)
+        unit.forward = functools.partial(checkpoint, unit.forward, use_reentrant=False, context_fn=context)
     return model
 
 
@@ -83,7 +114,7 @@ class _Layout:
     device: torch.device
     parallel: ParallelConfig
     precision_name: str
-    activation_checkpointing: bool
+    activation_checkpointing: bool | str   # train.activation_checkpointing: false, true, "full" or "selective"
     compile: bool
 
     @property
@@ -134,8 +165,8 @@ def _after_split(model: nn.Module, layout: _Layout) -> Parallelized:
         from .tensor import apply_tp
 
         apply_tp(model, layout.mesh["tp"], sequence_parallel=layout.parallel.tp_sequence_parallel)
-    if layout.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    if checkpoint_mode(layout.activation_checkpointing) != "off":
+        apply_activation_checkpointing(model, checkpoint_mode(layout.activation_checkpointing))
     if layout.compile:
         apply_compile(model)
     return _data_parallel(model, layout) if layout.data_parallel else Parallelized(model)

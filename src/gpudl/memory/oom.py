@@ -13,6 +13,7 @@ import contextlib
 from dataclasses import dataclass
 
 from ..config import Config, with_sets
+from ..distributed.parallelize import checkpoint_mode
 from .estimate import Estimate, dims_of
 from .fake_jobs import FakeJobs
 
@@ -32,7 +33,7 @@ def _candidates(cfg: Config, world: int) -> list[tuple[str, list[str], int]]:
     t, out = cfg.train, []
     if t.precision in ("fp32", "auto"):
         out.append(("bf16-mixed", ["train.precision=bf16-mixed"], world))
-    if not t.activation_checkpointing:
+    if checkpoint_mode(t.activation_checkpointing) != "full":
         out.append(("activation checkpointing", ["train.activation_checkpointing=true"], world))
     dims = dims_of(cfg, world)
     if dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1:

@@ -21,7 +21,7 @@ from ..config import Config
 from ..data.loader import map_tensors
 from ..device import cpu_info
 from ..device.kernels import attention_kernel
-from ..distributed.parallelize import apply_activation_checkpointing
+from ..distributed.parallelize import apply_activation_checkpointing, checkpoint_mode
 from ..distributed.parts import clip_grad_norm
 from ..distributed.pipeline import StageLoss, split_model
 from ..models.attention import use_attention
@@ -74,9 +74,9 @@ def trace_rank(cfg: Config, pp_rank: int, example: tuple[torch.Tensor, ...]) -> 
     with FakeTensorMode() as fake:
         _fake_model(split.model, precision.param_dtype, device.torch_device)  # in place: the stages share its parts
         use_attention(split.model, attention_kernel(device, cfg.train.attention))
-        if cfg.train.activation_checkpointing:
+        if checkpoint_mode(cfg.train.activation_checkpointing) != "off":
             for stage in split.stages:
-                apply_activation_checkpointing(stage)
+                apply_activation_checkpointing(stage, checkpoint_mode(cfg.train.activation_checkpointing))
         optimizer = make_optimizer(split.model, cfg.optim, device.type)
         _create_optimizer_state(optimizer)
         batch = map_tensors(fake.from_tensor, real)

@@ -225,7 +225,7 @@ def _data(train_data: Any, cfg: Config, session: Session, console: Console):
 def fit(model: nn.Module, train_data, loss: Callable | None = None, *, max_steps: int = 1000,
         batch_size: int = 32, lr: float = 1e-3, weight_decay: float = 0.0, warmup_steps: int = 0,
         grad_accum: int = 1, grad_clip: float = 1.0, device: str = "auto", precision: str = "auto",
-        compile: bool | str = "auto", activation_checkpointing: bool = False, log_every: int = 10,
+        compile: bool | str = "auto", activation_checkpointing: bool | str = False, log_every: int = 10,
         seed: int = 0, run_dir: str | Path | None = None, progress: bool = True, quiet: bool = False,
         parallel: ParallelConfig | None = None, memory_limit: str | int | None = None,
         plan: str = "off") -> FitResult:
@@ -247,6 +247,8 @@ def fit(model: nn.Module, train_data, loss: Callable | None = None, *, max_steps
     per process; an iterable's batches are dealt out in turn), with DDP by default or as
     `parallel` says. `memory_limit` ("12GiB" or bytes, per device) is enforced; a step that runs
     out of memory, under it or the device's own, is run again with half the micro-batch.
+    `activation_checkpointing`: True (or "full") recomputes each block's activations in backward,
+    "selective" all but its matmuls', attention's and convolutions' outputs.
     `plan="auto"` traces the model on fake tensors first (nothing allocated) and trains with the
     largest micro-batch that fits, with activation checkpointing only if nothing fits without;
     the samples per step are kept (one process or DDP).
