@@ -287,6 +287,7 @@ def memory_accuracy(out: Path, name: str) -> dict:
             "rows": [{"case": r["case"], "error_pct": 100 * r["error"]} for r in rows]}
 
 
+SERVE_ALONE = re.compile(r"^(resnet|gpt)\s+the model alone: a batch of 32 gives ([\d.]+)x")
 SERVE_ROW = re.compile(r"^(resnet|gpt)\s+(\S+)\s+c=(\d+)\s+([\d.]+) (?:img|tok)/s\s+p50\s+([\d.na]+) ms\s+"
                        r"p99\s+([\d.na]+) ms\s+errors (\d+)")
 
@@ -298,6 +299,11 @@ def serve_load(out: Path, name: str) -> dict:
         rows = [{"model": m[1], "server": m[2], "concurrency": int(m[3]), "throughput": float(m[4]),
                  "p50_ms": float(m[5]), "p99_ms": float(m[6]), "errors": int(m[7])}
                 for ln in _log(out, name) if (m := SERVE_ROW.match(ln))]
+        rows += [{"model": m[1], "server": "model alone", "batch_over_one": float(m[2])}
+                 for ln in _log(out, name) if (m := SERVE_ALONE.match(ln))]
+    # the model alone, a call of 32 against a call of one: the most batching can buy on this device
+    alone = {r["model"]: r["batch_over_one"] for r in rows if r.get("server") == "model alone"}
+    rows = [r for r in rows if "concurrency" in r]
     if not rows:
         return {}
     at = {(r["model"], r["server"], r["concurrency"]): r for r in rows}
@@ -308,7 +314,7 @@ def serve_load(out: Path, name: str) -> dict:
             ratios.append({"model": model, "concurrency": c,
                            "throughput_vs_batch1": _ratio(r, one, "throughput"), "p99_vs_batch1": _ratio(r, one, "p99_ms"),
                            "throughput_vs_plain": _ratio(r, plain, "throughput")})
-    return {"source": source, "points": rows, "ratios": ratios}
+    return {"source": source, "points": rows, "ratios": ratios, "batch_of_32_vs_one": alone}
 
 
 def _ratio(a: dict, b: dict | None, key: str) -> float | None:

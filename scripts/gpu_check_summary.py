@@ -190,8 +190,10 @@ def render_serve(f: dict) -> list[str]:
              fmt(r["throughput_vs_plain"], ".2f", "×")] for r in f["ratios"]]
     points = [[p["model"], p["server"], p["concurrency"], fmt(p["throughput"], ",.1f"), fmt(p["p50_ms"], ".1f"),
                fmt(p["p99_ms"], ".1f"), p["errors"]] for p in f["points"]]
+    alone = [[model, fmt(x, ".2f", "×")] for model, x in f.get("batch_of_32_vs_one", {}).items()]
     return table(["model", "clients", "batching: throughput vs batch-1", "p99 vs batch-1", "throughput vs plain"],
-                 rows) + table(["model", "server", "clients", "img/s or tok/s", "p50 ms", "p99 ms", "errors"], points)
+                 rows) + table(["model", "server", "clients", "img/s or tok/s", "p50 ms", "p99 ms", "errors"], points) \
+        + (table(["model", "alone: a batch of 32 against one (the most batching can buy)"], alone) if alone else [])
 
 
 def render_nothing(f: dict) -> list[str]:
