@@ -10,7 +10,7 @@ the micro-batches larger than the plain step's largest are searched (a smaller o
 add recomputation to a step that already fits).
 
 Step time, for ranking (the absolute figure is indicative): compute = the step's FLOPs (counted
-once, x 4/3 with checkpointing, which runs each forward twice) / (processes x the precision's
+once; with checkpointing, plus the blocks' forward, which runs again) / (processes x the precision's
 peak x ASSUMED_MFU), plus one host overhead per micro-step on accelerators; communication,
 not overlapped (a conservative choice), at the link's bandwidth: DDP all-reduces the gradients
 once a step, 2 (n-1)/n of their bytes; FSDP all-gathers the parameters in forward and backward
@@ -157,7 +157,7 @@ def plan(cfg: Config, machine: Machine) -> Plan:
 def _layout_candidates(cfg: Config, machine: Machine, traces: FakeJobs, strategy: str, parallel: dict,
                        batch: int) -> list[Candidate]:
     """The layout's largest micro-batch that fits, without checkpointing and, where that could buy a
-    larger one, with it (it costs a third more compute: otherwise not worth a trace)."""
+    larger one, with it (it runs the blocks' forward again: otherwise not worth a trace)."""
     plain = _largest_that_fits(cfg, machine, traces, strategy, parallel, False, batch)
     if plain.fits and plain.grad_accum <= _least_accumulation(cfg, parallel, machine, batch):
         return [plain]
@@ -310,21 +310,34 @@ def _largest_that_fits(cfg: Config, machine: Machine, traces: FakeJobs, strategy
     return best
 
 
-def _flops_per_sample(cfg: Config) -> int:
-    from ..observe.flops import count_training_flops, meta_batch
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs per sample: of a training step, and of what activation checkpointing runs again (the
+    blocks' forward). A dataclass of numbers, so that `depth.by_depth` extrapolates it."""
+
+    train: int
+    recompute: int
+
+
+def _flops_per_sample(cfg: Config) -> StepFlops:
+    from ..distributed.parallelize import block_units
+    from ..observe.flops import count_forward_flops_of, count_training_flops, meta_batch
     from ..training.job import model_and_data
 
     spec, data = model_and_data(cfg)
     one = meta_batch(tuple(t[:1] for t in data.train.batch(0)))
-    return count_training_flops(models.build_meta(spec), one, models.loss_for(spec))
+    model, loss = models.build_meta(spec), models.loss_for(spec)
+    return StepFlops(count_training_flops(model, one, loss),
+                     count_forward_flops_of(block_units(model), model, one, loss))
 
 
-def step_seconds(c: Candidate, cfg: Config, machine: Machine, flops_per_sample: int, batch: int) -> float:
+def step_seconds(c: Candidate, cfg: Config, machine: Machine, flops_per_sample: StepFlops, batch: int) -> float:
     """Predicted seconds per optimizer step (the module docstring gives the model)."""
     from ..device.peak import peak_key
 
     peak = machine.peak_flops.get(peak_key(cfg.train.precision)) or machine.peak_flops["fp32"]
-    compute = flops_per_sample * batch * (4 / 3 if c.activation_checkpointing else 1) / (
+    per_sample = flops_per_sample.train + (flops_per_sample.recompute if c.activation_checkpointing else 0)
+    compute = per_sample * batch / (
         machine.world * peak * ASSUMED_MFU)
     overhead = c.grad_accum * MICRO_STEP_OVERHEAD_S if machine.device_type != "cpu" else 0.0
     link = machine.link_b_s if machine.nnodes == 1 else min(machine.link_b_s, NODE_LINK_B_S)

@@ -38,6 +38,31 @@ def count_training_flops(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.M
     return int(counter.get_total_flops())
 
 
+def count_forward_flops_of(units: list[nn.Module], model: nn.Module, batch: Batch,
+                           loss_fn: Callable[[nn.Module, Batch], torch.Tensor]) -> int:
+    """FLOPs of the forward of `units` (modules inside `model`) in one forward of `model` on `batch`:
+    what activation checkpointing runs again in backward when `units` are its blocks."""
+    inside, marks = [0], []
+
+    def enter(module, args):
+        marks.append(counter.get_total_flops())
+
+    def leave(module, args, output):
+        inside[0] += counter.get_total_flops() - marks.pop()
+    hooks = [h for u in units for h in (u.register_forward_pre_hook(enter), u.register_forward_hook(leave))]
+    buffers = {b: b.clone() for b in model.buffers()}
+    try:
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            loss_fn(model, batch)
+    finally:
+        for h in hooks:
+            h.remove()
+        with torch.no_grad():
+            for b, saved in buffers.items():
+                b.copy_(saved)
+    return int(inside[0])
+
+
 def meta_batch(batch: Batch) -> Batch:
     """A batch of the same structure, shapes and dtypes on the meta device."""
     return map_tensors(lambda t: torch.empty_like(t, device="meta"), batch)
