@@ -110,26 +110,33 @@ def plan_module(module, loss_fn, example, cfg: Config, session: Session, console
 
 
 def _fitting_micro_batch(module, loss_fn, example, cfg: Config, session: Session, usable: int) -> dict:
+    from .plan import largest_fitting
     from .trace import trace_module
 
     rows, step_rows = cfg.train.batch_size, cfg.train.batch_size * cfg.train.grad_accum
     sizes = [rows >> k for k in range(rows.bit_length()) if rows % (1 << k) == 0]
+
+    def traced(m: int, ac: bool) -> tuple[int, int]:
+        """(micro-batch, predicted peak) of the module's step at micro-batch m."""
+        sets = [f"train.batch_size={m}", f"train.grad_accum={step_rows // m}",
+                f"train.activation_checkpointing={str(ac).lower()}"]
+        return m, sum(trace_module(module, loss_fn, with_sets(cfg, sets), session, example,
+                                   ddp=session.world > 1).values())
+
+    def fits(found: tuple[int, int]) -> bool:
+        return found[1] * (1 + MARGIN) <= usable
     smallest = None
     for ac in (False, True):
-        for m in sizes:
-            sets = [f"train.batch_size={m}", f"train.grad_accum={step_rows // m}",
-                    f"train.activation_checkpointing={str(ac).lower()}"]
-            try:
-                peak = sum(trace_module(module, loss_fn, with_sets(cfg, sets), session, example,
-                                        ddp=session.world > 1).values())
-            except UserError:
-                break  # checkpointing a module without blocks: not a candidate
-            smallest = min(peak, smallest or peak)
-            if peak * (1 + MARGIN) <= usable:
-                how = " with activation checkpointing" if ac else ""
-                return {"micro_batch": m, "checkpointing": ac,
-                        "said": f"Plan: micro-batch {m} x {step_rows // m}{how} · predicted peak "
-                                f"{peak / 2**30:.3f} GiB per process of {usable / 2**30:.3f} GiB usable"}
+        try:
+            (m, peak), _ = largest_fitting(sizes, lambda m: traced(m, ac), fits)
+        except UserError:
+            break  # checkpointing a module without blocks: not a candidate
+        smallest = min(peak, smallest or peak)  # when none fits: the peak of a micro-batch of one
+        if fits((m, peak)):
+            how = " with activation checkpointing" if ac else ""
+            return {"micro_batch": m, "checkpointing": ac,
+                    "said": f"Plan: micro-batch {m} x {step_rows // m}{how} · predicted peak "
+                            f"{peak / 2**30:.3f} GiB per process of {usable / 2**30:.3f} GiB usable"}
     need = f"{smallest * (1 + MARGIN) / 2**30:.3f} GiB with the margin" if smallest else "more"
     return {"error": f"fit(plan='auto'): no micro-batch of {type(module).__name__} fits in {usable / 2**30:.3f} GiB "
                      f"per process (a micro-batch of one needs {need}): give more memory_limit, use "

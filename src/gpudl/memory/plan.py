@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from .. import models
 from ..config import Config, with_sets
@@ -35,6 +37,7 @@ from .estimate import Estimate
 from .fake_jobs import FakeJobs
 from .pipeline import pipeline_possible, pipeline_seconds
 
+T = TypeVar("T")
 MARGIN = 0.10                 # of the predicted peak: allocator fragmentation, and what a trace does not see
 RUNTIME_BYTES = 2**30         # per accelerator process, outside torch's tensors: context, NCCL and cuBLAS buffers
 ASSUMED_MFU = 0.4             # of the precision's peak, for predicted step times
@@ -285,10 +288,7 @@ def _largest_that_fits(cfg: Config, machine: Machine, traces: FakeJobs, strategy
     if not sizes:
         return Candidate(strategy, parallel, ac, 0, 0, rejected=f"no micro-batch of the global batch {batch} "
                                                                   f"splits into the schedule's micro-batches")
-    tried: dict[int, Candidate] = {}
-
-    def attempt(i: int) -> Candidate:
-        b = sizes[i]
+    def attempt(b: int) -> Candidate:
         settings = {**parallel, "train.activation_checkpointing": ac, "train.batch_size": b,
                     "train.grad_accum": batch // dp // b}
         c = Candidate(strategy, settings, ac, b, batch // dp // b)
@@ -296,18 +296,30 @@ def _largest_that_fits(cfg: Config, machine: Machine, traces: FakeJobs, strategy
         need = int(c.estimate.peak * (1 + MARGIN))
         if need > machine.usable:
             c.rejected = f"needs {need / 2**30:.2f} GiB"  # with the margin; the table's title gives what is usable
-        tried[i] = c
         return c
-    lo, hi = 0, len(sizes) - 1           # sizes[lo] is the largest; find the first index that fits
+    best, tried = largest_fitting(sizes, attempt, lambda c: not c.rejected)
+    best.traces = tried
+    return best
+
+
+def largest_fitting(sizes: list[int], attempt: Callable[[int], T], fits: Callable[[T], bool]) -> tuple[T, int]:
+    """The attempt of the largest of `sizes` (descending) that fits, by bisection (memory grows with
+    the micro-batch), or that of the smallest when none does; and how many attempts it took.
+    Shared by the recipes' planner and `fit(plan="auto")`'s."""
+    tried: dict[int, T] = {}
+
+    def at(i: int) -> T:
+        if i not in tried:
+            tried[i] = attempt(sizes[i])
+        return tried[i]
+    lo, hi = 0, len(sizes) - 1  # find the first index that fits
     while lo < hi:
         mid = (lo + hi) // 2
-        if attempt(mid).rejected:
-            lo = mid + 1
-        else:
+        if fits(at(mid)):
             hi = mid
-    best = tried.get(lo) or attempt(lo)  # when even the smallest does not fit: its rejection
-    best.traces = len(tried)
-    return best
+        else:
+            lo = mid + 1
+    return at(lo), len(tried)
 
 
 @dataclass(frozen=True)
