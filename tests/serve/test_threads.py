@@ -73,3 +73,16 @@ def test_the_timed_call_is_the_engines_largest(name, kind, shape, out):
 def test_threads_below_one_is_one_line_and_exit_2():
     done = run_cli("serve", "--threads", "0", timeout=60)
     assert done.returncode == 2 and "--threads" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_gpt_is_timed_on_the_engines_own_cache():
+    from gpudl.serve.generation import GenerationEngine
+
+    spec = models.resolve("gpt-tiny", {"n_layer": 1})
+    model = models.build(spec, torch.device("cpu")).eval()
+    loaded = Loaded(model=model, spec=spec, device=torch.device("cpu"), device_label="cpu", dtype=torch.float32,
+                    name="gpt-tiny", kind="gpt", source="test")
+    engine = GenerationEngine(model, "cpu", max_batch_size=4)
+    assert not engine.cache.k.any()
+    full_batch_call(loaded, 4, engine.cache)()
+    assert engine.cache.k.any()  # written where the engine reads, not in a second cache

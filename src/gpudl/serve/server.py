@@ -98,11 +98,11 @@ async def _load(served, options: ServeOptions, console: Console, failed: list[st
         served.server.should_exit = True
         return
     loaded.name = options.name or loaded.name  # what clients call it: the preset's name unless --name
-    if loaded.device.type == "cpu":
-        served.threads = await asyncio.to_thread(_cpu_threads, loaded, options)
     served.name, served.loaded = loaded.name, loaded
     engine = make_engine(loaded, max_batch_size=options.max_batch_size,
                          max_queue_delay_ms=options.max_queue_delay_ms, max_queue=options.max_queue)
+    if loaded.device.type == "cpu":  # before the engine starts: its KV cache serves the timed call
+        served.threads = await asyncio.to_thread(_cpu_threads, loaded, options, getattr(engine, "cache", None))
     served.metrics = Metrics(engine.queue_depth)
     engine.observe_batch = served.metrics.batch_size.observe
     engine.start()
@@ -121,7 +121,7 @@ def _started_line(served, options: ServeOptions) -> str:
             f"{' · '.join(endpoints)} · /v2/health/ready · /metrics{key}")
 
 
-def _cpu_threads(loaded, options: ServeOptions) -> str:
+def _cpu_threads(loaded, options: ServeOptions, cache=None) -> str:
     """Set torch's intra-op threads for a model served on the CPU; says how many and why."""
     import torch
 
@@ -132,7 +132,7 @@ def _cpu_threads(loaded, options: ServeOptions) -> str:
     if options.threads is not None:
         torch.set_num_threads(options.threads)
         return f"{options.threads} of {cores} CPU threads, as asked"
-    chosen, _ = choose_threads(full_batch_call(loaded, options.max_batch_size), cores)
+    chosen, _ = choose_threads(full_batch_call(loaded, options.max_batch_size, cache), cores)
     return f"{chosen} of {cores} CPU threads, measured"
 
 

@@ -80,14 +80,18 @@ def choose_threads(call: Callable[[], object], cores: int, tolerance: float = TO
     return chosen, timings
 
 
-def full_batch_call(loaded, max_batch_size: int) -> Callable[[], object]:
+def full_batch_call(loaded, max_batch_size: int, cache=None) -> Callable[[], object]:
     """One call of the size the engine runs at most: a decoding step of `max_batch_size` sequences
-    half-way through their context (GPT), or a forward of `max_batch_size` inputs (classifier)."""
+    half-way through their context (GPT), or a forward of `max_batch_size` inputs (classifier).
+
+    `cache`: the engine's own KV cache, used before the engine starts (a second one could double a
+    large model's memory); what the call writes there is masked until a prompt overwrites it.
+    """
     model, device, dtype = loaded.model, loaded.device, loaded.dtype
     if loaded.kind == "gpt":
         from ..models.gpt import KVCache
 
-        cache = KVCache(model.cfg, max_batch_size, device, dtype)
+        cache = cache if cache is not None else KVCache(model.cfg, max_batch_size, device, dtype)
         tokens = torch.zeros(max_batch_size, dtype=torch.long, device=device)
         pos = torch.full((max_batch_size,), model.cfg.block_size // 2, device=device)
         return lambda: _no_grad(model.decode, tokens, pos, cache)
