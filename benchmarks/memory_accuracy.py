@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -115,6 +116,7 @@ def _fitting(cases: list[Case], device: str) -> list[Case]:
 
 
 def main() -> None:
+    os.environ["GPUDL_TRACE_CACHE"] = "0"  # every estimate traced now: its time is in the table
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="only the small cases")
     ap.add_argument("--only", action="append", choices=STRATEGIES, help="only this strategy's cases")

@@ -154,3 +154,38 @@ def test_checkpointing_is_searched_only_above_the_plain_steps_micro_batch(usable
     else:
         assert found[1].fits and found[1].micro_batch == checkpointed == best[True]
         assert all(b > plain for b, ac in formula.asked if ac)  # no checkpointed micro-batch at or below plain's
+
+
+def test_a_question_asked_again_is_answered_from_the_trace_cache(monkeypatch, tmp_path, capsys):
+    """The second `gpudl plan` for the same job traces nothing (tracing is made impossible) and answers
+    the same; an unreadable cache file is a miss, traced again."""
+    import gpudl.memory.estimate as estimate_module
+    import gpudl.memory.fake_jobs as fake_jobs
+
+    monkeypatch.setenv("GPUDL_CACHE_DIR", str(tmp_path))
+    args = ["plan", *[a for s in SMALL_GPT for a in ("--set", s)], "--target", "a100-40gb", "--nproc-per-node", "2",
+            "--json"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    kept = sorted((tmp_path / "traces").glob("*.json"))
+    assert kept
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced although the cache holds the answer")
+    with monkeypatch.context() as m:
+        m.setattr(fake_jobs, "_start_worker", no_trace)
+        m.setattr(estimate_module, "traced_here", no_trace)
+        assert main(args) == 0
+    assert json.loads(capsys.readouterr().out) == first
+    kept[0].write_text("{not json")  # a damaged entry: traced again, and the answer is the same
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out) == first
+
+
+def test_the_trace_cache_key_follows_the_job_not_where_it_runs():
+    from gpudl.memory.trace_cache import _key
+
+    cfg = load_config(None, SMALL_GPT)
+    assert _key(cfg, 2) == _key(load_config(None, [*SMALL_GPT, "run.dir=elsewhere", "log.progress=false"]), 2)
+    assert _key(cfg, 2) != _key(cfg, 4)
+    assert _key(cfg, 2) != _key(load_config(None, [*SMALL_GPT, "train.batch_size=8"]), 2)

@@ -61,11 +61,15 @@ def estimate_here(cfg: Config, world: int, whole: bool = False) -> Estimate:
     """`fake_jobs.estimate`, in this process (`traced_here`: what a job of several processes needs), one trace
     after the other. `whole`: trace a deep GPT at its full depth, not from traces of 4 and 5 blocks
     (`depth.py`)."""
+    from .trace_cache import cached
+
     kind = strategy_of(cfg, world)
     if kind == "PP":
-        return Estimate(kind, world, pipeline_here(cfg, world))
-    return Estimate(kind, world, at_peak(traced_here(cfg, world) if whole else
-                                         by_depth(cfg, lambda c: traced_here(c, world))))
+        return Estimate(kind, world, cached(cfg, world, lambda: {"parts": pipeline_here(cfg, world)})["parts"])
+
+    def trace(c: Config) -> Phases:
+        return cached(c, world, lambda: {"phases": traced_here(c, world)})["phases"]
+    return Estimate(kind, world, at_peak(trace(cfg) if whole else by_depth(cfg, trace)))
 
 
 def traced_here(cfg: Config, world: int) -> Phases:

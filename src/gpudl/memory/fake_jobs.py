@@ -31,6 +31,7 @@ from ..errors import UserError
 from .depth import by_depth
 from .estimate import Estimate, estimate_here, pipeline_here, strategy_of, traced_here
 from .trace import Phases, at_peak
+from .trace_cache import cached
 
 
 def estimate(cfg: Config, world: int = 1) -> Estimate:
@@ -53,14 +54,6 @@ class FakeJobs:
     def __enter__(self) -> FakeJobs:
         return self
 
-    def start(self, n: int) -> FakeJobs:
-        """Start `n` workers now (at most one per CPU): they import torch while the caller does other work."""
-        with self._lock:
-            while self.world > 1 and len(self._started) < min(n, self._most):
-                self._started.append(_start_worker(self.world))
-                self._idle.put(self._started[-1])
-        return self
-
     def __exit__(self, *exc) -> None:
         self._pairs.shutdown()
         for worker in self._started:  # nothing is left to answer: no need to wait for a clean interpreter exit
@@ -80,18 +73,21 @@ class FakeJobs:
         return Estimate(kind, self.world, at_peak(phases))
 
     def _ask(self, cfg: Config) -> dict:
-        worker = self._take()
-        try:
-            worker.stdin.write(json.dumps({"config": cfg.to_toml()}) + "\n")
-            worker.stdin.flush()
-            answer = json.loads(worker.stdout.readline() or '{"error": "the trace worker ended"}')
-        finally:
-            self._idle.put(worker)
+        answer = cached(cfg, self.world, lambda: self._ask_worker(cfg))
         if answer.get("user"):
             raise UserError(answer["error"])
         if "error" in answer:
             raise UserError(f"tracing the job as one of {self.world} processes failed: {answer['error']}")
         return answer
+
+    def _ask_worker(self, cfg: Config) -> dict:
+        worker = self._take()
+        try:
+            worker.stdin.write(json.dumps({"config": cfg.to_toml()}) + "\n")
+            worker.stdin.flush()
+            return json.loads(worker.stdout.readline() or '{"error": "the trace worker ended"}')
+        finally:
+            self._idle.put(worker)
 
     def _take(self) -> subprocess.Popen:
         try:

@@ -145,11 +145,15 @@ def plan(cfg: Config, machine: Machine) -> Plan:
     options = _fixed_layout(cfg, machine) or layouts(cfg, machine)
     # Layouts are planned side by side, each in a thread whose traces run in a worker process of its
     # own (`fake_jobs.py`); a one-process job is traced here, where only one trace may run at a time.
-    with FakeJobs(machine.world).start(2 * len(options)) as traces, \
-            ThreadPoolExecutor(len(options) if machine.world > 1 else 1) as pool:
-        flops = by_depth(cfg, _flops_per_sample)  # while the workers start
+    # Workers start at the first trace the cache does not hold (`trace_cache.py`): a question asked
+    # before costs no worker at all.
+    with FakeJobs(machine.world) as traces, ThreadPoolExecutor(len(options) if machine.world > 1 else 1) as pool:
+        # FLOPs are counted with torch's FLOP counter, whose module hooks are global: not while a
+        # one-process job is traced in this process's pool, but while a sharded job's workers start.
+        flops = by_depth(cfg, _flops_per_sample) if machine.world == 1 else None
         planned = [pool.submit(_layout_candidates, cfg, machine, traces, strategy, parallel, result.global_batch)
                    for strategy, parallel in options]
+        flops = flops or by_depth(cfg, _flops_per_sample)
         result.candidates = [c for future in planned for c in future.result()]
     for c in result.candidates:
         if c.fits:
@@ -332,6 +336,12 @@ class StepFlops:
 
 
 def _flops_per_sample(cfg: Config) -> StepFlops:
+    from .trace_cache import cached
+
+    return StepFlops(**cached(cfg, 1, lambda: dataclasses.asdict(_count_flops_per_sample(cfg)), "flops"))
+
+
+def _count_flops_per_sample(cfg: Config) -> StepFlops:
     from ..distributed.parallelize import block_units
     from ..observe.flops import count_forward_flops_of, count_training_flops, meta_batch
     from ..training.job import model_and_data
