@@ -186,6 +186,8 @@ def test_the_trace_cache_key_follows_the_job_not_where_it_runs():
     from gpudl.memory.trace_cache import _key
 
     cfg = load_config(None, SMALL_GPT)
-    assert _key(cfg, 2) == _key(load_config(None, [*SMALL_GPT, "run.dir=elsewhere", "log.progress=false"]), 2)
+    assert _key(cfg, 2) == _key(load_config(None, [*SMALL_GPT, "run.dir=elsewhere", "log.progress=false",
+                                                   "train.max_steps=3", "train.plan=auto",
+                                                   "train.memory_limit=1GiB"]), 2)
     assert _key(cfg, 2) != _key(cfg, 4)
     assert _key(cfg, 2) != _key(load_config(None, [*SMALL_GPT, "train.batch_size=8"]), 2)

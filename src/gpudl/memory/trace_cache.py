@@ -2,7 +2,8 @@
 memory limit, `gpudl train --plan auto` after `gpudl plan`) costs no trace it has run before.
 
 A trace's answer depends only on the job's config (its model, data, training, optimizer and
-parallel sections; not where the run writes or how it logs), the number of processes, and the
+parallel sections; not where the run writes, how it logs or how long it trains), the number of
+processes, and the
 code that traces it: gpudl's own source and torch's version are in the key, so an edit or an
 upgrade never reads an old answer. Answers are JSON files under the cache folder
 (`cache.cache_dir()/traces`), written atomically and read as data only; an unreadable file is a
@@ -27,6 +28,10 @@ from ..config import Config
 from ..config.settings import to_dict
 
 IRRELEVANT = ("run", "checkpoint", "log", "sample")  # config sections a trace does not read
+# training settings that shape the run, not a step (a plan asked by `gpudl plan` and by
+# `gpudl train --plan auto --memory-limit ...` is the same trace)
+RUN_ONLY = ("max_steps", "time_budget_s", "plan", "memory_limit", "eval_every", "eval_batches", "log_every",
+            "max_nonfinite")
 
 
 def cached(cfg: Config, world: int, trace: Callable[[], dict], what: str = "trace") -> dict:
@@ -47,6 +52,7 @@ def cached(cfg: Config, world: int, trace: Callable[[], dict], what: str = "trac
 
 def _key(cfg: Config, world: int, what: str = "trace") -> str:
     job = {k: v for k, v in to_dict(cfg).items() if k not in IRRELEVANT}
+    job["train"] = {k: v for k, v in job["train"].items() if k not in RUN_ONLY}
     text = json.dumps({"job": job, "world": world, "what": what, "code": _code_version()}, sort_keys=True,
                       default=str)
     return hashlib.sha256(text.encode()).hexdigest()
