@@ -206,12 +206,17 @@ def test_resume_is_bit_identical_with_deterministic_kernels(tmp_path, accelerato
 
 
 def test_fp32_convolutions_are_fp32_not_tf32(accelerator):
-    """Under the fp32 policy a convolution agrees with float64 as fp32 does (TF32 keeps 10 mantissa
-    bits: its error would be ~1e-3 relative, far past the bound)."""
+    """Under the fp32 policy a convolution agrees with float64 as fp32 does. A 1x1 convolution is a
+    matrix product (no Winograd or FFT algorithm, whose fp32 error could blur the line); in TF32,
+    inputs keep 10 mantissa bits and its error would be ~5e-4 relative, five times the bound."""
     info = detect(accelerator)
-    make_precision("fp32", info)
-    gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(8, 64, 32, 32, generator=gen), torch.randn(64, 64, 3, 3, generator=gen)
-    exact = F.conv2d(x.double(), w.double(), padding=1)
-    got = F.conv2d(x.to(info.torch_device), w.to(info.torch_device), padding=1).cpu().double()
-    assert ((got - exact).norm() / exact.norm()).item() < 1e-5
+    before = torch.backends.cudnn.allow_tf32
+    try:
+        make_precision("fp32", info)
+        gen = torch.Generator().manual_seed(0)
+        x, w = torch.randn(8, 256, 16, 16, generator=gen), torch.randn(256, 256, 1, 1, generator=gen)
+        exact = F.conv2d(x.double(), w.double())
+        got = F.conv2d(x.to(info.torch_device), w.to(info.torch_device)).cpu().double()
+        assert ((got - exact).norm() / exact.norm()).item() < 1e-4
+    finally:
+        torch.backends.cudnn.allow_tf32 = before
