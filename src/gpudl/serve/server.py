@@ -132,7 +132,11 @@ def _cpu_threads(loaded, options: ServeOptions, cache=None) -> str:
     if options.threads is not None:
         torch.set_num_threads(options.threads)
         return f"{options.threads} of {cores} CPU threads, as asked"
-    chosen, _ = choose_threads(full_batch_call(loaded, options.max_batch_size, cache), cores)
+    try:
+        chosen, _ = choose_threads(full_batch_call(loaded, options.max_batch_size, cache), cores)
+    except Exception as e:  # noqa: BLE001 -- a failed measurement must not keep the model from serving
+        torch.set_num_threads(cores)
+        return f"{cores} CPU threads: measuring failed ({type(e).__name__})"
     return f"{chosen} of {cores} CPU threads, measured"
 
 
