@@ -27,6 +27,7 @@ ASKED = mm.Case("gpt-tiny", 32)  # fp32, one process
 FIXED = {  # each fix as the measured job it makes
     "bf16-mixed": mm.Case("gpt-tiny", 32, "bf16-mixed"),
     "activation checkpointing": mm.Case("gpt-tiny", 32, activation_checkpointing=True),
+    "selective activation checkpointing": mm.Case("gpt-tiny", 32, activation_checkpointing="selective"),
     "micro-batch 32 -> 16": mm.Case("gpt-tiny", 16, overrides=(("train.grad_accum", 2),)),
     "FSDP over 2 processes": mm.Case("gpt-tiny", 32, strategy="fsdp", world=2),
 }

@@ -33,8 +33,11 @@ def _candidates(cfg: Config, world: int) -> list[tuple[str, list[str], int]]:
     t, out = cfg.train, []
     if t.precision in ("fp32", "auto"):
         out.append(("bf16-mixed", ["train.precision=bf16-mixed"], world))
-    if checkpoint_mode(t.activation_checkpointing) != "full":
+    mode = checkpoint_mode(t.activation_checkpointing)
+    if mode != "full":
         out.append(("activation checkpointing", ["train.activation_checkpointing=true"], world))
+    if mode == "off":  # saves less, and recomputes no matmul
+        out.append(("selective activation checkpointing", ["train.activation_checkpointing=selective"], world))
     dims = dims_of(cfg, world)
     if dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1:
         shards = max(world, 2)
