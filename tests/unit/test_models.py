@@ -152,12 +152,12 @@ def test_gpt_generate_extends_the_sequence(device):
 
 def test_the_forward_flops_checkpointing_reruns_are_the_blocks_by_formula():
     from gpudl.distributed.parallelize import block_units
-    from gpudl.observe.flops import count_forward_flops_of
+    from gpudl.observe.flops import count_step_flops
 
     spec = models.resolve("gpt-tiny", {"n_layer": 3, "d_model": 32, "n_head": 2, "block_size": 16})
     m, c = models.build_meta(spec), spec.config
     batch = meta_batch((torch.zeros(2, c.block_size, dtype=torch.long),) * 2)
-    counted = count_forward_flops_of(block_units(m), m, batch, models.loss_for(spec))
+    counted = count_step_flops(m, batch, models.loss_for(spec), block_units(m))[1]
     # per token and block: q, k, v, output projection (4 d^2 multiply-adds) and the MLP (8 d^2), then
     # scores and the weighted sum over all T keys (the math kernel counts the masked ones too): 2 T d
     per_token = 2 * (12 * c.d_model**2 + 2 * c.block_size * c.d_model)

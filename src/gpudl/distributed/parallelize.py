@@ -51,6 +51,7 @@ def checkpoint_mode(setting: bool | str) -> str:
     return setting
 
 
+@functools.cache
 def _saved_by_selective() -> frozenset:
     """The operators whose outputs selective checkpointing keeps: matrix products, attention and
     convolutions, the expensive ones. Everything else in a block (norms, activations, dropout,
@@ -165,8 +166,9 @@ def _after_split(model: nn.Module, layout: _Layout) -> Parallelized:
         from .tensor import apply_tp
 
         apply_tp(model, layout.mesh["tp"], sequence_parallel=layout.parallel.tp_sequence_parallel)
-    if checkpoint_mode(layout.activation_checkpointing) != "off":
-        apply_activation_checkpointing(model, checkpoint_mode(layout.activation_checkpointing))
+    mode = checkpoint_mode(layout.activation_checkpointing)
+    if mode != "off":
+        apply_activation_checkpointing(model, mode)
     if layout.compile:
         apply_compile(model)
     return _data_parallel(model, layout) if layout.data_parallel else Parallelized(model)

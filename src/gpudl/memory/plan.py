@@ -343,14 +343,13 @@ def _flops_per_sample(cfg: Config) -> StepFlops:
 
 def _count_flops_per_sample(cfg: Config) -> StepFlops:
     from ..distributed.parallelize import block_units
-    from ..observe.flops import count_forward_flops_of, count_training_flops, meta_batch
+    from ..observe.flops import count_step_flops, meta_batch
     from ..training.job import model_and_data
 
     spec, data = model_and_data(cfg)
     one = meta_batch(tuple(t[:1] for t in data.train.batch(0)))
-    model, loss = models.build_meta(spec), models.loss_for(spec)
-    return StepFlops(count_training_flops(model, one, loss),
-                     count_forward_flops_of(block_units(model), model, one, loss))
+    model = models.build_meta(spec)
+    return StepFlops(*count_step_flops(model, one, models.loss_for(spec), block_units(model)))
 
 
 def step_seconds(c: Candidate, cfg: Config, machine: Machine, flops_per_sample: StepFlops, batch: int) -> float:

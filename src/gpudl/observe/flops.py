@@ -24,24 +24,14 @@ def count_training_flops(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.M
     (the counter knows the CUDA flash kernels but not the CPU one). RNG state and gradients
     are left as they were.
     """
-    grads = {p: p.grad for p in model.parameters()}
-    buffers = {b: b.clone() for b in model.buffers()}  # e.g. BatchNorm statistics a forward updates
-    devices = [t.device for t in tensors_in(batch) if is_accelerator(t.device)][:1]
-    with torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda"), sdpa_kernel(SDPBackend.MATH), \
-            FlopCounterMode(display=False) as counter:
-        loss_fn(model, batch).backward()
-    with torch.no_grad():
-        for p, g in grads.items():
-            p.grad = g
-        for b, saved in buffers.items():
-            b.copy_(saved)
-    return int(counter.get_total_flops())
+    return count_step_flops(model, batch, loss_fn)[0]
 
 
-def count_forward_flops_of(units: list[nn.Module], model: nn.Module, batch: Batch,
-                           loss_fn: Callable[[nn.Module, Batch], torch.Tensor]) -> int:
-    """FLOPs of the forward of `units` (modules inside `model`) in one forward of `model` on `batch`:
-    what activation checkpointing runs again in backward when `units` are its blocks."""
+def count_step_flops(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor],
+                     units: list[nn.Module] = ()) -> tuple[int, int]:
+    """(FLOPs of one forward + backward, FLOPs of the forward of `units` within it), counted in one
+    pass as `count_training_flops` does. With `units` the model's blocks, the second is what
+    activation checkpointing runs again in backward."""
     inside, marks = [0], []
 
     def enter(module, args):
@@ -50,17 +40,22 @@ def count_forward_flops_of(units: list[nn.Module], model: nn.Module, batch: Batc
     def leave(module, args, output):
         inside[0] += counter.get_total_flops() - marks.pop()
     hooks = [h for u in units for h in (u.register_forward_pre_hook(enter), u.register_forward_hook(leave))]
-    buffers = {b: b.clone() for b in model.buffers()}
+    grads = {p: p.grad for p in model.parameters()}
+    buffers = {b: b.clone() for b in model.buffers()}  # e.g. BatchNorm statistics a forward updates
+    devices = [t.device for t in tensors_in(batch) if is_accelerator(t.device)][:1]
     try:
-        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-            loss_fn(model, batch)
+        with torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda"), \
+                sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            loss_fn(model, batch).backward()
     finally:
         for h in hooks:
             h.remove()
         with torch.no_grad():
+            for p, g in grads.items():
+                p.grad = g
             for b, saved in buffers.items():
                 b.copy_(saved)
-    return int(inside[0])
+    return int(counter.get_total_flops()), int(inside[0])
 
 
 def meta_batch(batch: Batch) -> Batch:

@@ -94,11 +94,11 @@ def full_batch_call(loaded, max_batch_size: int, cache=None) -> Callable[[], obj
         cache = cache if cache is not None else KVCache(model.cfg, max_batch_size, device, dtype)
         tokens = torch.zeros(max_batch_size, dtype=torch.long, device=device)
         pos = torch.full((max_batch_size,), model.cfg.block_size // 2, device=device)
-        return lambda: _no_grad(model.decode, tokens, pos, cache)
+        return lambda: _inference(model.decode, tokens, pos, cache)
     x = torch.zeros(max_batch_size, *loaded.input_shape, dtype=dtype, device=device)
-    return lambda: _no_grad(model, x)
+    return lambda: _inference(model, x)
 
 
-def _no_grad(fn, *args):
+def _inference(fn, *args):
     with torch.inference_mode():
         return fn(*args)
