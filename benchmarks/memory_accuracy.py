@@ -138,9 +138,9 @@ def main() -> None:
             rows.append(row)
             print(f"{row['case']:<{width}} {row['predicted_bytes'] / MiB:>14.2f} {row['measured_bytes'] / MiB:>13.2f} "
                   f"{100 * row['error']:>+7.2f}% {row['estimate_s']:>11.1f}", flush=True)
+            if args.json:  # after every case: a run stopped at a time limit keeps the rows it measured
+                args.json.write_text(json.dumps(rows, indent=1))
     errors = [abs(r["error"]) for r in rows]
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
     print(f"{len(rows)} cases: median absolute error {100 * statistics.median(errors):.2f}%, "
           f"worst {100 * max(errors):.2f}% (goal: median <= 2%, worst <= 5%)")
 

@@ -26,6 +26,8 @@ PHASES = [
     ("info", "`gpudl info`: the device tree and its measured peaks", read.info_tree),
     ("info-json", "`gpudl info --json`", read.info_json),
     ("tests", "the accelerator tier of the tests (`pytest -m accelerator`)", read.tests),
+    ("memory-accuracy", "memory estimate against measured peaks (benchmarks/memory_accuracy.py)",
+     read.memory_accuracy),
     ("bench-suite", "the default bench suite (gpt-tiny, resnet18) on the GPU and the CPU, eager: the speed-up",
      read.bench),
     ("gpt2-eager", "GPT-2 124M at every precision, eager", read.bench),
@@ -37,8 +39,6 @@ PHASES = [
      read.peers),
     ("peers-defaults", "the same, each with its own defaults (benchmarks/peers.py)", read.peers),
     ("train", "the default training run, `gpudl train`", read.train),
-    ("memory-accuracy", "memory estimate against measured peaks (benchmarks/memory_accuracy.py)",
-     read.memory_accuracy),
     ("serve-load", "serving with batching against batch-1 and plain (benchmarks/serve_load.py; on the GPU in a real run)",
      read.serve_load),
 ]
@@ -221,9 +221,10 @@ def check(out: Path) -> list[str]:
                  f"changed shape? (see {p['log']})" for p in doc["phases"] if p["status"] == "ok" and not p["figures"]]
     problems += [f"phase {p['name']!r} is not one this summary knows" for p in doc["phases"]
                  if p["what"].startswith("(a phase")]
+    asked = set(header["only"].split(",")) if "only" in header else None  # `--only`: the phases asked for
     if "seconds" in header:  # the script got to its end: a phase it never started is one it does not have
         problems += [f"phase {p['name']!r} is in this summary's list but the script did not run it"
-                     for p in doc["phases"] if p["status"] == "not run"]
+                     for p in doc["phases"] if p["status"] == "not run" and (asked is None or p["name"] in asked)]
     return problems
 
 
