@@ -177,15 +177,18 @@ class DeviceCounters:
         self.at: dict[str, int] = {}
 
     def start(self) -> None:
-        # cuBLAS takes its workspace (tens of MiB on recent GPUs) from the caching allocator at a
-        # stream's first matmul and keeps it: a runtime buffer, which the planner reserves beside the
-        # estimate (plan.RUNTIME_BYTES), not a tensor of the job. Made here, before the count starts.
+        # cuBLAS takes a workspace (32 MiB on Hopper) from the caching allocator for each handle at
+        # its first matmul, and keeps it: a runtime buffer, which the planner reserves beside the
+        # estimate (plan.RUNTIME_BYTES, plan.WORKSPACE_BYTES), not a tensor of the job. Handles are
+        # per thread, and autograd runs the backward on a thread of its own: both made here, with
+        # and without a bias (cuBLASLt), before the count starts.
         import torch
 
         for dtype in (torch.float32, torch.bfloat16):
-            a = torch.ones(64, 64, device="cuda", dtype=dtype)
-            torch.matmul(a, a)
-        del a
+            layer = torch.nn.Linear(64, 64, device="cuda", dtype=dtype)
+            x = torch.ones(8, 64, device="cuda", dtype=dtype, requires_grad=True)
+            (layer(x) @ x.t()).sum().backward()
+        del layer, x
         self.cuda.synchronize()
         self.before = self.cuda.memory_allocated()
 

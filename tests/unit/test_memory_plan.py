@@ -140,7 +140,7 @@ def test_checkpointing_is_searched_only_above_the_plain_steps_micro_batch(usable
     from gpudl.memory.plan import Machine, _layout_candidates
 
     cfg = load_config(None, ["model.name=gpt-tiny", "train.batch_size=64"])
-    machine = Machine("test", "cuda", int(usable), {"fp32": 1e12}, 1e9, nproc=2, limit=int(usable))
+    machine = Machine("test", "cpu", int(usable), {"fp32": 1e12}, 1e9, nproc=2, limit=int(usable))
     formula = _Formula()
     flat = {"parallel.tp": 1, "parallel.pp": 1, "parallel.dp_replicate": 2, "parallel.dp_shard": 1}
     found = _layout_candidates(cfg, machine, formula, "DDP", flat, batch=128)

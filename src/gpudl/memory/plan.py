@@ -40,6 +40,9 @@ from .pipeline import pipeline_possible, pipeline_seconds
 T = TypeVar("T")
 MARGIN = 0.10                 # of the predicted peak: allocator fragmentation, and what a trace does not see
 RUNTIME_BYTES = 2**30         # per accelerator process, outside torch's tensors: context, NCCL and cuBLAS buffers
+# cuBLAS's workspaces (32 MiB each on Hopper), one per thread that multiplies: the forward's and
+# autograd's. The caching allocator holds them, so on an accelerator they count inside --memory-limit.
+WORKSPACE_BYTES = 2 * 32 * 2**20
 ASSUMED_MFU = 0.4             # of the precision's peak, for predicted step times
 MICRO_STEP_OVERHEAD_S = 1e-3  # host time to launch a micro-step's kernels on an accelerator
 NODE_LINK_B_S = 25e9          # between nodes: 200 Gb/s InfiniBand or RoCE, each way
@@ -67,7 +70,7 @@ class Machine:
     def usable(self) -> int:
         """Bytes a rank's tensors may hold: the limit, else the memory less what the runtime keeps."""
         if self.limit is not None:
-            return self.limit
+            return self.limit if self.device_type == "cpu" else self.limit - WORKSPACE_BYTES
         if self.device_type == "cpu":  # the processes of a node share its memory; the OS and the rest keep a tenth
             return int(self.memory * 0.9) // self.nproc
         return self.memory - RUNTIME_BYTES
