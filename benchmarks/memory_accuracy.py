@@ -2,11 +2,11 @@
 
 For each case of a reference suite (GPT and ResNet presets, several micro-batches, activation
 checkpointing off and on, fp32 and bf16-mixed, one process and two-rank DDP, FSDP2 and tensor
-parallelism, pipelines of two and four ranks under each schedule, on the CPU): the peak of live
-tensor bytes per rank that `gpudl.memory` predicts (fake tensors, nothing allocated; a pipeline's
-rank with the largest peak), beside the peak a real second training step reaches on its busiest
-rank, seen by c10's own allocation log (`memory_measure.py`: no code shared with the estimator),
-and the error. The last line: the number of cases, the median and the worst absolute error.
+parallelism, pipelines of two and four ranks under each schedule, alone and beside FSDP,
+replication or tensor parallelism, on the CPU): the peak of live tensor bytes per rank that
+`gpudl.memory` predicts (fake tensors, nothing allocated; a pipeline's rank with the largest peak),
+beside the peak a real second training step reaches on its busiest rank, seen by c10's own
+allocation log (`memory_measure.py`: no code shared with the estimator), and the error. The last line: the number of cases, the median and the worst absolute error.
 
     python benchmarks/memory_accuracy.py                 # the whole suite (about 17 minutes on 2 cores)
     python benchmarks/memory_accuracy.py --quick         # the cases the tests also hold
@@ -41,6 +41,7 @@ ACCUM4 = (("train.grad_accum", 4),)
 # Pipeline schedules (the harness's default: 1f1b, 2 micro-batches)
 GPIPE, MICRO4 = (("parallel.pp_schedule", "gpipe"),), (("parallel.pp_microbatches", 4),)
 INTERLEAVED = (("parallel.pp_schedule", "interleaved-1f1b"), ("parallel.pp_stages_per_rank", 2), *MICRO4)
+PP2 = (("parallel.pp", 2),)  # of a case of 4 processes: the rest is data or tensor parallelism
 
 SUITE = [
     Case("gpt-tiny", 8), Case("gpt-tiny", 32), Case("gpt-tiny", 32, "bf16-mixed"),
@@ -88,6 +89,16 @@ SUITE = [
     Case("gpt-tiny", 32, activation_checkpointing="selective", strategy="fsdp", world=2),
     # a deep model estimated from traces of 4 and 5 blocks (memory/depth.py), checkpointed and accumulating
     Case("gpt2-124m", 4, "bf16-mixed", True, strategy="fsdp", world=2, overrides=GPT2 + (("train.grad_accum", 2),)),
+    # beside a pipeline of two: FSDP (its weights gathered and gradients unsharded to the run's end), replication, TP
+    Case("gpt-tiny", 32, strategy="pp", world=4, overrides=PP2 + (("parallel.dp_shard", 2),)),
+    Case("gpt-tiny", 32, "bf16-mixed", strategy="pp", world=4, overrides=PP2 + (("parallel.dp_shard", 2),) + MICRO4),
+    Case("gpt-tiny", 32, activation_checkpointing=True, strategy="pp", world=4,
+         overrides=PP2 + (("parallel.dp_shard", 2), ("parallel.fsdp_reshard_after_forward", False))),
+    Case("gpt-tiny", 16, strategy="pp", world=4, overrides=PP2 + (("parallel.dp_shard", 2), ("train.grad_accum", 2))),
+    Case("gpt-tiny", 32, strategy="pp", world=4, overrides=PP2 + (("parallel.dp_replicate", 2),)),
+    Case("gpt-tiny", 32, strategy="pp", world=4, overrides=PP2 + (("parallel.tp", 2),)),
+    Case("gpt-tiny", 32, "bf16-mixed", strategy="pp", world=4, overrides=PP2 + (("parallel.tp", 2),) + GPIPE),
+    Case("gpt2-124m", 4, strategy="pp", world=4, overrides=GPT2 + PP2 + (("parallel.dp_shard", 2),)),
 ]
 QUICK = [c for c in SUITE if c.model in ("gpt-tiny", "resnet18") and c.batch_size <= 16]
 

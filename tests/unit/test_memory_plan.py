@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpudl.cli import main
-from gpudl.config import load_config
+from gpudl.config import load_config, with_sets
 from gpudl.memory.fake_jobs import estimate
 from gpudl.config.sizes import parse_size
 from gpudl.memory.plan import layouts, local_machine, plan, target_machine
@@ -37,7 +37,10 @@ CASES = [mm.Case("gpt-tiny", 8), mm.Case("gpt-tiny", 32, "bf16-mixed", activatio
                  overrides=(("parallel.pp_schedule", "gpipe"),)),
          mm.Case("gpt-tiny", 16, strategy="pp", world=2, overrides=(
              ("parallel.pp_schedule", "interleaved-1f1b"), ("parallel.pp_stages_per_rank", 2),
-             ("parallel.pp_microbatches", 4)))]
+             ("parallel.pp_microbatches", 4))),
+         # beside the pipeline: FSDP (gradients and gathered weights held to the run's end), and TP
+         mm.Case("gpt-tiny", 16, strategy="pp", world=4, overrides=(("parallel.pp", 2), ("parallel.dp_shard", 2))),
+         mm.Case("gpt-tiny", 16, strategy="pp", world=4, overrides=(("parallel.pp", 2), ("parallel.tp", 2)))]
 SMALL_GPT = ["model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.block_size=64", "train.batch_size=16",
              "train.precision=bf16-mixed", "train.attention=sdpa"]
 
@@ -102,8 +105,27 @@ def test_a_pipeline_is_planned_where_the_model_allows_it():
                                 "parallel.pp_microbatches=3"])
     assert ("PP 2", {"parallel.tp": 1, "parallel.pp": 2, "parallel.dp_replicate": 1, "parallel.dp_shard": 1}) \
         in layouts(untied, machine)
+    four = target_machine("a100-40gb", 4)
+    deeper = with_sets(untied, ["model.n_layer=4", "parallel.pp_microbatches=4", "train.batch_size=16"])
+    assert [name for name, _ in layouts(untied, four) if name.startswith("PP")] == ["PP 2 x FSDP 2"]  # 2 layers
+    assert [name for name, _ in layouts(deeper, four) if name.startswith("PP")] == ["PP 2 x FSDP 2", "PP 4"]
+    assert ("PP 2 x FSDP 2", {"parallel.tp": 1, "parallel.pp": 2, "parallel.dp_replicate": 1, "parallel.dp_shard": 2}) \
+        in layouts(deeper, four)
     tied = load_config(None, [*SMALL_GPT, "train.batch_size=12", "parallel.pp_microbatches=3"])
     assert not any(name.startswith("PP") for name, _ in layouts(tied, machine))
+
+
+def test_a_pipeline_beside_fsdp_is_estimated_as_a_pipeline_of_sharded_stages():
+    """PP 2 x FSDP 2 against the same pipeline alone: half the optimizer state, and at the peak (in a
+    backward) more weights than the shard: the units PipelineStage keeps gathered after their backward,
+    up to the whole stage (1.5 times the pipeline's own weights with the shard)."""
+    sets = [*SMALL_GPT, "model.tie_embeddings=false", "model.n_layer=4", "train.precision=fp32",
+            "parallel.pp_microbatches=2"]
+    both = estimate(load_config(None, [*sets, "parallel.pp=2", "parallel.dp_shard=2"]), 4)
+    alone = estimate(load_config(None, [*sets, "parallel.pp=2", "parallel.dp_shard=1"]), 2)
+    assert both.strategy == "PP" and both.parts["optimizer"] * 2 == pytest.approx(alone.parts["optimizer"], rel=0.02)
+    assert alone.parts["params"] / 2 < both.parts["params"] <= 1.5 * alone.parts["params"]
+    assert both.peak < alone.peak
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -174,6 +174,15 @@ def _after_split(model: nn.Module, layout: _Layout) -> Parallelized:
     return _data_parallel(model, layout) if layout.data_parallel else Parallelized(model)
 
 
+def parallelize_stage(stage: nn.Module, session: Session, parallel: ParallelConfig, precision_name: str,
+                      activation_checkpointing: bool | str) -> nn.Module:
+    """One pipeline stage parallelized as `parallelize` does it beside the pipeline (tensor parallelism,
+    checkpointing, FSDP), uncompiled: what the memory estimate traces (`memory/pipeline_trace.py`)."""
+    layout = _Layout(session.dims, session.mesh, session.device.torch_device, parallel, precision_name,
+                     activation_checkpointing, compile=False)
+    return _after_split(stage, layout).model
+
+
 def _pipeline(model: nn.Module, layout: _Layout, materialize: Callable | None, batch_size: int) -> Parallelized:
     from .pipeline import pipeline_parallelized, split_model
 

@@ -57,7 +57,7 @@ def _decide(result: Plan) -> dict:
 def shard_wanted(cfg: Config, session: Session) -> bool:
     """Whether data-parallel degrees left "auto" shard (FSDP) or replicate (DDP): replicate when one
     replica's predicted peak, with the margin, fits in the memory here (rank 0 traces; all agree).
-    A layout not estimated yet (a pipeline beside data parallelism) is judged by its weights,
+    A layout not estimated (several pipeline stages a rank with FSDP beside them) is judged by its weights,
     gradients and optimizer state alone (`state_needs_sharding`)."""
     p = cfg.parallel
     if session.world == 1 or "auto" not in (p.dp_replicate, p.dp_shard):

@@ -7,9 +7,9 @@ that have one (so the caller's own group, if it has one, is left alone). DDP can
 so: its rank is the one-process job with DDP's gradient buckets modelled in the trace
 (`trace._DDPBuckets`). Nor can a pipeline schedule (its stages exchange shapes): each rank's
 stages are traced on their own and the schedule's order combines them by formula
-(`pipeline.py`); a pipeline job's estimate is its rank with the largest peak. Pipelines with data
-or tensor parallelism beside them are not estimated yet. The others, of a deep GPT, are traced at
-4 and 5 blocks and extrapolated (`depth.py`).
+(`pipeline.py`); a pipeline job's estimate is its rank with the largest peak. With data or tensor
+parallelism beside the pipeline, the stages are traced as rank 0 of those groups, on the fake
+process group. The others, of a deep GPT, are traced at 4 and 5 blocks and extrapolated (`depth.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from ..config import Config
 from ..device import cpu_info  # traces run on the CPU's fake tensors; accelerators: see plan.py's reserve
 from ..distributed.mesh import ParallelDims
-from ..errors import UserError
 from .depth import by_depth
 from .trace import Phases, at_peak
 
@@ -105,13 +104,17 @@ def _as_rank_zero(cfg: Config, world: int) -> Phases:
 
 
 def pipeline_here(cfg: Config, world: int) -> dict[str, int]:
-    """The pipeline rank with the largest peak (`pipeline.py`) of a pipeline-only job; every rank reads the batch."""
+    """The pipeline rank with the largest peak (`pipeline.py`); every rank of a pipeline reads the batch.
+    With data or tensor parallelism beside it, this process must have the fake process group of `world`
+    (`fake_jobs.py`): its stages are parallelized as rank 0's."""
+    from ..distributed.env import DistEnv
     from ..training.job import model_and_data
+    from ..training.session import Session, plan_parallel
     from .pipeline import rank_peaks
 
-    d = dims_of(cfg, world)
-    if d.pp != world:
-        raise UserError(f"parallel.pp={d.pp} with data or tensor parallelism beside it (dp={d.dp}, tp={d.tp}): the "
-                        f"memory of such a job is not estimated yet; plan it with --set parallel.pp={world} or pp=1")
+    session = None
+    if dims_of(cfg, world).pp != world:
+        session = Session(cpu_info(), env=DistEnv(0, world, 0, world))
+        plan_parallel(session, cfg.parallel)
     _, data = model_and_data(cfg)
-    return max(rank_peaks(cfg, data.train.batch(0)), key=lambda parts: sum(parts.values()))
+    return max(rank_peaks(cfg, data.train.batch(0), session), key=lambda parts: sum(parts.values()))

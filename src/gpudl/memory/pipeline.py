@@ -27,6 +27,13 @@ schedule's variables and send works hold a little longer: `rank_actions`)
 
 Interleaved 1F1B replays the order torch's own ScheduleInterleaved1F1B computes for the rank. A
 job's estimate is its rank with the largest peak.
+
+An FSDP stage (data parallelism beside the pipeline) differs. Its first backward of every run (not
+only of the step) makes the unsharded gradients; a backward keeps the weights it gathers, and a
+forward lets them go; so each phase is taken as traced after the same action as in the schedule
+(a warm-up forward after a forward, a cool-down backward after a backward). The end of
+each run reduce-scatters the gradients and lets the weights go (the traced `reduce`: its rise,
+then its net). Its weights are already in the compute dtype: autocast caches no copies of them.
 """
 
 from __future__ import annotations
@@ -95,11 +102,13 @@ def replay(trace: RankTrace, actions: list[tuple[str, int]], runs: int) -> Parts
     """The rank's peak (bytes by category): the module docstring's formula over `runs` schedule runs
     (a step with gradient accumulation runs the schedule once per micro-step)."""
     level = peak = trace.static
-    backwarded: set[int] = set()
+    backwarded: set[int] = set()       # stages whose gradients exist (an FSDP stage's: this run's unsharded ones)
     for _ in range(runs):
         held_to_end: list[Parts] = []  # let go when the schedule run ends (and its autocast with it)
         sending: list[Parts] = []      # input gradients on their way to the stage before
         forwarded: set[int] = set()
+        backwarded -= {s for s, stage in trace.stages.items() if stage.reduce is not None}
+        last: dict[int, str] = {}  # the stage's previous action in this run
         for kind, s in actions:
             stage = trace.stages[s]
             if kind == "keep":
@@ -113,15 +122,22 @@ def replay(trace: RankTrace, actions: list[tuple[str, int]], runs: int) -> Parts
             if kind == "F" and s not in forwarded:
                 forwarded.add(s)
                 phase = stage.first_forward
-                held_to_end.append(plus(stage.first_forward.net, stage.forward.net, -1))  # the autocast copies
+                if stage.reduce is None:
+                    held_to_end.append(plus(stage.first_forward.net, stage.forward.net, -1))  # the autocast copies
             elif kind == "F":
-                phase = stage.forward
+                phase = stage.warm_forward if last.get(s) == "F" and stage.warm_forward else stage.forward
             else:
-                phase = stage.backward if s in backwarded else stage.first_backward
+                phase = (stage.first_backward if s not in backwarded else
+                         stage.cool_backward if last.get(s) == "B" and stage.cool_backward else stage.backward)
                 backwarded.add(s)
                 sending.append(stage.in_flight)
+            last[s] = kind
             peak = _higher(peak, plus(level, phase.rise))
             level = plus(level, phase.net)
+        for s in dict.fromkeys(s for _, s in actions):  # an FSDP stage's end of the run, after its last backward
+            if (reduce := trace.stages[s].reduce) is not None:
+                peak = _higher(peak, plus(level, reduce.rise))
+                level = plus(level, reduce.net)
         level = _release(_release(level, sending), held_to_end)
     return _higher(peak, plus(level, trace.update))
 
@@ -136,11 +152,12 @@ def _release(level: Parts, held: list[Parts]) -> Parts:
     return level
 
 
-def rank_peaks(cfg: Config, example: tuple[torch.Tensor, ...]) -> list[Parts]:
+def rank_peaks(cfg: Config, example: tuple[torch.Tensor, ...], session=None) -> list[Parts]:
     """Bytes by category at the peak of each pipeline rank (index: pp rank) of `cfg`'s job.
 
     `example`: one batch of the data (shapes only). Ranks whose stages look alike (first or last
-    or neither, and as many layers) share one trace: their schedules still differ."""
+    or neither, and as many layers) share one trace: their schedules still differ. `session`:
+    rank 0's, where data or tensor parallelism runs beside the pipeline (`trace_rank`)."""
     p = cfg.parallel
     n_stages = p.pp * p.pp_stages_per_rank
     layers = stage_layers(models.resolve(cfg.model.name, cfg.model.overrides).config.n_layer, n_stages)
@@ -150,7 +167,7 @@ def rank_peaks(cfg: Config, example: tuple[torch.Tensor, ...]) -> list[Parts]:
         ids = rank_stages(r, p.pp, p.pp_stages_per_rank)
         look = tuple((s == 0, s == n_stages - 1, len(layers[s])) for s in ids)
         if look not in traced:
-            traced[look] = ids, trace_rank(cfg, r, example)
+            traced[look] = ids, trace_rank(cfg, r, example, session)
         like, trace = traced[look]
         trace = dataclasses.replace(trace, stages={s: trace.stages[t] for s, t in zip(ids, like)})
         parts = replay(trace, rank_actions(p, r), runs=min(cfg.train.grad_accum, 2))

@@ -253,12 +253,15 @@ def layouts(cfg: Config, machine: Machine) -> list[tuple[str, dict[str, object]]
             rest = w // t
             out.append((f"TP {t}" + (f" x FSDP {rest}" if rest > 1 else ""),
                         {"parallel.pp": 1, "parallel.tp": t, "parallel.dp_replicate": 1, "parallel.dp_shard": rest}))
-    # A pipeline over every process (with data parallelism beside it: not estimated yet); the micro-batches
-    # `_largest_that_fits` tries are those its schedule can split.
-    if pipeline_possible(cfg, w):
-        out.append((f"PP {w}", {"parallel.tp": 1, "parallel.pp": w, "parallel.dp_replicate": 1,
-                                "parallel.dp_shard": 1}))
-    return out
+    # A pipeline over every process, or over some with FSDP beside it (not for several stages a rank, which
+    # the estimate cannot follow with FSDP); the micro-batches `_largest_that_fits` tries are those its
+    # schedule can split.
+    for p in (2, 4, 8, w):
+        if p <= w and w % p == 0 and (p == w or cfg.parallel.pp_schedule != "interleaved-1f1b") \
+                and pipeline_possible(cfg, p):
+            out.append((f"PP {p}" + (f" x FSDP {w // p}" if p < w else ""),
+                        {"parallel.tp": 1, "parallel.pp": p, "parallel.dp_replicate": 1, "parallel.dp_shard": w // p}))
+    return list(dict(out).items())  # one of each name (w may be 2, 4 or 8 itself)
 
 
 def _tp_possible(cfg: Config, tp: int) -> bool:
@@ -379,7 +382,8 @@ def _communication_seconds(c: Candidate, cfg: Config, machine: Machine) -> float
     if c.strategy == "DDP":
         return 2 * (w - 1) / w * n_params * 4 / link
     shard = int(c.settings.get("parallel.dp_shard", 1))
-    fsdp = 0.0 if shard == 1 else ((2 * c.grad_accum + 1) * (shard - 1) / shard * n_params / tp * compute_bytes
+    pp = int(c.settings.get("parallel.pp", 1))  # an FSDP group beside a pipeline holds one stage's weights
+    fsdp = 0.0 if shard == 1 else ((2 * c.grad_accum + 1) * (shard - 1) / shard * n_params / tp / pp * compute_bytes
                                    / link)
     if tp == 1:
         return fsdp
