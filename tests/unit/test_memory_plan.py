@@ -115,6 +115,22 @@ def test_a_pipeline_is_planned_where_the_model_allows_it():
     assert not any(name.startswith("PP") for name, _ in layouts(tied, machine))
 
 
+def test_cpu_offload_keeps_the_shards_and_moments_out_of_an_accelerators_peak():
+    """FSDP's CPU offload: on the CPU host and device are one memory; on an accelerator the same trace
+    is split, and what it keeps on the host is, by count, the weights' shard and AdamW's two moments
+    (12 bytes a parameter over 2 shards); the device's peak is the CPU's less that."""
+    from gpudl import models
+
+    sets = [*SMALL_GPT, "train.precision=fp32", "parallel.dp_replicate=1", "parallel.dp_shard=2",
+            "parallel.fsdp_cpu_offload=true"]
+    on_cpu = estimate(load_config(None, [*sets, "run.device=cpu"]), 2)
+    on_gpu = estimate(load_config(None, [*sets, "run.device=cuda"]), 2)
+    cfg = load_config(None, sets)
+    n = sum(p.numel() for p in models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides)).parameters())
+    assert on_cpu.host == 0 and on_gpu.host == pytest.approx(12 * n / 2, rel=0.01)
+    assert on_gpu.peak + on_gpu.host == on_cpu.peak and on_gpu.parts["optimizer"] == 0
+
+
 def test_a_pipeline_beside_fsdp_is_estimated_as_a_pipeline_of_sharded_stages():
     """PP 2 x FSDP 2 against the same pipeline alone: half the optimizer state, and at the peak (in a
     backward) more weights than the shard: the units PipelineStage keeps gathered after their backward,

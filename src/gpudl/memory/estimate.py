@@ -21,7 +21,7 @@ from ..config import Config
 from ..device import cpu_info  # traces run on the CPU's fake tensors; accelerators: see plan.py's reserve
 from ..distributed.mesh import ParallelDims
 from .depth import by_depth
-from .trace import Phases, at_peak
+from .trace import Phases, at_peak, on_device
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,12 @@ class Estimate:
 
     @property
     def peak(self) -> int:
-        return sum(self.parts.values())
+        """On the device: what FSDP's CPU offload keeps in host memory ("host") is not counted."""
+        return on_device(self.parts)
+
+    @property
+    def host(self) -> int:
+        return self.parts.get("host", 0)
 
 
 def dims_of(cfg: Config, world: int) -> ParallelDims:

@@ -235,7 +235,8 @@ def _for_machine(cfg: Config, machine: Machine) -> Config:
         precision = make_precision("auto", detect("cpu")).name
     attention = cfg.train.attention if machine.device_type == "cpu" else "sdpa"  # accelerators keep SDPA's choice
     train = dataclasses.replace(cfg.train, precision=precision, attention=attention, compile=False)
-    return dataclasses.replace(cfg, train=train)
+    # the device type: where FSDP's CPU offload keeps its shards depends on it (trace.offloads_to_host)
+    return dataclasses.replace(cfg, train=train, run=dataclasses.replace(cfg.run, device=machine.device_type))
 
 
 def layouts(cfg: Config, machine: Machine) -> list[tuple[str, dict[str, object]]]:

@@ -34,7 +34,8 @@ def _row(c: Candidate) -> list[str]:
     parts = c.estimate.parts
     state = parts["params"] + parts["buffers"] + parts["grads"] + parts["optimizer"]
     acts = parts["activations"] + parts["temporaries"] + parts["inputs"]
-    return [layout, batch, _gib(state), _gib(acts), _gib(parts["communication"] + parts["other"]),
+    host = f" (+{_gib(c.estimate.host)} host)" if c.estimate.host else ""  # FSDP's CPU offload
+    return [layout, batch, _gib(state) + host, _gib(acts), _gib(parts["communication"] + parts["other"]),
             _gib(c.estimate.peak), _gib(int(c.estimate.peak * (1 + MARGIN))),
             f"{c.step_s:.3g}" if c.step_s else "—", "fits" if c.fits else c.rejected]
 

@@ -40,9 +40,13 @@ from ..training.micro import micro_batches
 from ..training.precision import make_precision
 from ..training.session import Session
 
-# What holds the bytes, as gpudl reports it; torch's trackers name them their own way.
+# What holds the bytes, as gpudl reports it; torch's trackers name them their own way. "host": what
+# FSDP's CPU offload keeps in host memory beside an accelerator's (not part of the device's peak).
 CATEGORIES = ("params", "buffers", "grads", "optimizer", "activations", "temporaries", "inputs", "communication",
-              "other")
+              "other", "host")
+# What FSDP's CPU offload keeps in host memory: the shards of the weights and gradients, the optimizer
+# state, and, in the update (which runs on the host), its temporaries.
+OFFLOADED = frozenset({"SHARDED_PARAM", "SHARDED_GRAD", "OPT"})
 _CATEGORY_OF = {"PARAM": "params", "SHARDED_PARAM": "params", "UNSHARDED_PARAM": "params", "BUFFER": "buffers",
                 "GRAD": "grads", "SHARDED_GRAD": "grads", "UNSHARDED_GRAD": "grads", "ACT": "activations",
                 "TEMP": "temporaries", "OPT": "optimizer", "INP": "inputs", "ALL_GATHER": "communication",
@@ -55,8 +59,26 @@ Phases = dict[str, Parts]     # a piece of the step (`_Pieces`) -> bytes by cate
 
 
 def at_peak(phases: Phases) -> Parts:
-    """The breakdown at the step's peak: that of the piece whose own peak is the highest."""
-    return max(phases.values(), key=lambda parts: sum(parts.values()))
+    """The breakdown at the device's peak: that of the piece whose own peak is the highest."""
+    return max(phases.values(), key=on_device)
+
+
+def on_device(parts: Parts) -> int:
+    """Bytes in the device's memory: all but what CPU offload keeps on the host."""
+    return sum(v for k, v in parts.items() if k != "host")
+
+
+def offloads_to_host(cfg: Config) -> bool:
+    """Whether FSDP's CPU offload keeps its shards in host memory apart from the device's: on an
+    accelerator (`run.device`; "auto": the best this machine has), not on the CPU, where both are one."""
+    if not cfg.parallel.fsdp_cpu_offload:
+        return False
+    kind = cfg.run.device.split(":")[0]
+    if kind == "auto":
+        from ..device import available
+
+        kind = available()[0]
+    return kind != "cpu"
 
 
 def trace_step(cfg: Config, session: Session, example: tuple[torch.Tensor, ...], ddp: bool = False) -> Phases:
@@ -310,7 +332,9 @@ def _step(job: Job, cfg: Config, batch, tracker: MemTracker) -> Phases:
     phase. Of an accumulating step, two micro-batches are enough: from the second on, each runs
     with the gradients of those before it held, and the last one synchronises them. (The trackers
     take a second forward of the model for a new step unless their per-module figures are reset.)"""
-    pieces = _Pieces(tracker, job.model)
+    from torch.distributed.fsdp import FSDPModule
+
+    pieces = _Pieces(tracker, job.model, offloaded=isinstance(job.model, FSDPModule) and offloads_to_host(cfg))
     micros = micro_batches([batch], cfg.train.batch_size)
     if len(micros) > 1:
         with job.grad_sync(False):
@@ -337,8 +361,9 @@ class _Pieces:
     (clipping and the optimizer step) is one piece: its operators take every parameter at once
     (foreach), so the same holds for it."""
 
-    def __init__(self, tracker: _GlobalPeak, model: torch.nn.Module):
+    def __init__(self, tracker: _GlobalPeak, model: torch.nn.Module, offloaded: bool = False):
         self.tracker, self.found, self.seen = tracker, {}, collections.Counter()
+        self.offloaded = offloaded  # FSDP's CPU offload: its shards (and the update) are on the host
         model.register_forward_hook(functools.partial(self._after, "model"))
         blocks = block_units(model)
         for j, block in enumerate(blocks):
@@ -348,7 +373,8 @@ class _Pieces:
 
     def close(self, name: str) -> None:
         """Keep the peak since the last boundary as piece `name`, and start the next piece."""
-        self.found[f"{name} #{self.seen[name]}"] = _breakdown(self.tracker.get_tracker_snapshot("peak"))
+        host = (OFFLOADED | {"TEMP"} if name == "update" else OFFLOADED) if self.offloaded else frozenset()
+        self.found[f"{name} #{self.seen[name]}"] = _breakdown(self.tracker.get_tracker_snapshot("peak"), host)
         self.seen[name] += 1
         self.tracker.restart_peak()
 
@@ -367,10 +393,12 @@ class _Pieces:
             needing[0].register_hook(lambda grad: self.close(name))
 
 
-def _breakdown(snapshot: dict) -> dict[str, int]:
+def _breakdown(snapshot: dict, host: frozenset = frozenset()) -> dict[str, int]:
+    """Bytes by category; the trackers' kinds named in `host` are the host's."""
     out = dict.fromkeys(CATEGORIES, 0)
     for device_stats in snapshot.values():
         for kind, nbytes in device_stats.items():
             if kind != "Total":  # the others are the trackers' enum members: named by their member name
-                out[_CATEGORY_OF.get(getattr(kind, "name", str(kind)), "other")] += int(nbytes)
+                name = getattr(kind, "name", str(kind))
+                out["host" if name in host else _CATEGORY_OF.get(name, "other")] += int(nbytes)
     return out
