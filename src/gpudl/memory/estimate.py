@@ -21,7 +21,8 @@ from ..config import Config
 from ..device import cpu_info  # traces run on the CPU's fake tensors; accelerators: see plan.py's reserve
 from ..distributed.mesh import ParallelDims
 from .depth import by_depth
-from .trace import Phases, at_peak, on_device
+from .offload import on_device
+from .trace import Phases, at_peak
 
 
 @dataclass(frozen=True)

@@ -39,14 +39,12 @@ from ..training.loop import Job, clip_gradients, forward_backward
 from ..training.micro import micro_batches
 from ..training.precision import make_precision
 from ..training.session import Session
+from .offload import OFFLOADED, offloads_to_host, on_device
 
 # What holds the bytes, as gpudl reports it; torch's trackers name them their own way. "host": what
 # FSDP's CPU offload keeps in host memory beside an accelerator's (not part of the device's peak).
 CATEGORIES = ("params", "buffers", "grads", "optimizer", "activations", "temporaries", "inputs", "communication",
               "other", "host")
-# What FSDP's CPU offload keeps in host memory: the shards of the weights and gradients, the optimizer
-# state, and, in the update (which runs on the host), its temporaries.
-OFFLOADED = frozenset({"SHARDED_PARAM", "SHARDED_GRAD", "OPT"})
 _CATEGORY_OF = {"PARAM": "params", "SHARDED_PARAM": "params", "UNSHARDED_PARAM": "params", "BUFFER": "buffers",
                 "GRAD": "grads", "SHARDED_GRAD": "grads", "UNSHARDED_GRAD": "grads", "ACT": "activations",
                 "TEMP": "temporaries", "OPT": "optimizer", "INP": "inputs", "ALL_GATHER": "communication",
@@ -62,23 +60,6 @@ def at_peak(phases: Phases) -> Parts:
     """The breakdown at the device's peak: that of the piece whose own peak is the highest."""
     return max(phases.values(), key=on_device)
 
-
-def on_device(parts: Parts) -> int:
-    """Bytes in the device's memory: all but what CPU offload keeps on the host."""
-    return sum(v for k, v in parts.items() if k != "host")
-
-
-def offloads_to_host(cfg: Config) -> bool:
-    """Whether FSDP's CPU offload keeps its shards in host memory apart from the device's: on an
-    accelerator (`run.device`; "auto": the best this machine has), not on the CPU, where both are one."""
-    if not cfg.parallel.fsdp_cpu_offload:
-        return False
-    kind = cfg.run.device.split(":")[0]
-    if kind == "auto":
-        from ..device import available
-
-        kind = available()[0]
-    return kind != "cpu"
 
 
 def trace_step(cfg: Config, session: Session, example: tuple[torch.Tensor, ...], ddp: bool = False) -> Phases:

@@ -54,7 +54,7 @@ def _key(cfg: Config, world: int, what: str = "trace") -> str:
     job = {k: v for k, v in to_dict(cfg).items() if k not in IRRELEVANT}
     job["train"] = {k: v for k, v in job["train"].items() if k not in RUN_ONLY}
     if cfg.parallel.fsdp_cpu_offload:  # where the shards live depends on the device (trace.offloads_to_host)
-        from .trace import offloads_to_host
+        from .offload import offloads_to_host
 
         job["offloaded"] = offloads_to_host(cfg)
     text = json.dumps({"job": job, "world": world, "what": what, "code": _code_version()}, sort_keys=True,
