@@ -13,6 +13,7 @@ allocation log (`memory_measure.py`: no code shared with the estimator), and the
     python benchmarks/memory_accuracy.py --only pp       # one strategy's cases (repeat for more)
     python benchmarks/memory_accuracy.py --match x4      # the cases whose title has "x4" (repeat for more)
     python benchmarks/memory_accuracy.py --json out.json
+    python benchmarks/memory_accuracy.py --markdown      # the table as the README shows it
     python benchmarks/memory_accuracy.py --device cuda   # on the GPU: measured by torch.cuda.max_memory_allocated
 
 On an accelerator the estimate traces the job for that device and the measurement is the
@@ -118,6 +119,46 @@ def run_case(case: Case, workdir: Path) -> dict:
             "predicted_parts": dict(predicted.parts), "measured_baseline_bytes": busiest["baseline_bytes"]}
 
 
+def readable(case: Case) -> str:
+    """The case as the README's table names it: "gpt2-124m b4 fp32 PP 2 x FSDP 2 T=256"."""
+    o = dict(case.overrides)
+    ac = {True: " +AC", "selective": " +selective AC"}.get(case.activation_checkpointing, "")
+    extras = [f"T={o['block_size']}" if "block_size" in o else "",
+              f"{o['data.image_size']} px" if "data.image_size" in o else "",
+              str(o.get("parallel.pp_schedule", "")),
+              f"stages/rank={o['parallel.pp_stages_per_rank']}" if "parallel.pp_stages_per_rank" in o else "",
+              f"micro={o['parallel.pp_microbatches']}" if "parallel.pp_microbatches" in o else "",
+              f"accum {o['train.grad_accum']}" if "train.grad_accum" in o else "",
+              "no resharding after forward" if o.get("parallel.fsdp_reshard_after_forward") is False else "",
+              "sequence parallel" if o.get("parallel.tp_sequence_parallel") else "",
+              "CPU offload" if o.get("parallel.fsdp_cpu_offload") else ""]
+    return " ".join([f"{case.model} b{case.batch_size} {case.precision}{ac} {_layout(case, o)}", *filter(None, extras)])
+
+
+def _layout(case: Case, o: dict) -> str:
+    w = case.world
+    if case.strategy == "single":
+        return "1 process"
+    if case.strategy == "pp" and "parallel.pp" in o:
+        beside = next(f"{name} {o[key]}" for key, name in (("parallel.dp_shard", "FSDP"), ("parallel.tp", "TP"),
+                                                          ("parallel.dp_replicate", "replicated")) if key in o)
+        return f"PP {o['parallel.pp']} x {beside}"
+    if case.strategy == "fsdp" and "parallel.dp_replicate" in o:
+        return f"HSDP {o['parallel.dp_replicate']} x {o['parallel.dp_shard']}"
+    if case.strategy == "tp" and "parallel.dp_shard" in o:
+        return f"TP {o['parallel.tp']} x FSDP {o['parallel.dp_shard']}"
+    return f"{case.strategy.upper()} x{w}"
+
+
+def markdown(rows: list[dict]) -> str:
+    """The README's table of `rows` (as --json writes them), cases named by `readable`."""
+    cases = {c.title: c for c in SUITE}
+    lines = ["| case | predicted MiB | measured MiB | error | estimate s |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {readable(cases[r['case']]) if r['case'] in cases else r['case']} | {r['predicted_bytes'] / MiB:.2f} | "
+              f"{r['measured_bytes'] / MiB:.2f} | {100 * r['error']:+.2f}% | {r['estimate_s']:.1f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def _fitting(cases: list[Case], device: str) -> list[Case]:
     """The cases with no more processes than the device has units (every case on the CPU)."""
     if device == "cpu":
@@ -139,6 +180,7 @@ def main() -> None:
     ap.add_argument("--match", action="append", metavar="TEXT", help="only the cases whose title has TEXT")
     ap.add_argument("--json", type=Path, help="also write every row here")
     ap.add_argument("--device", default="cpu", help="cpu (default), or cuda")
+    ap.add_argument("--markdown", action="store_true", help="also print the table as the README shows it")
     args = ap.parse_args()
     rows = []
     cases = [dataclasses.replace(c, device=args.device) for c in (QUICK if args.quick else SUITE)
@@ -157,6 +199,8 @@ def main() -> None:
             if args.json:  # after every case: a run stopped at a time limit keeps the rows it measured
                 args.json.write_text(json.dumps(rows, indent=1))
     errors = [abs(r["error"]) for r in rows]
+    if args.markdown:
+        print(markdown(rows))
     print(f"{len(rows)} cases: median absolute error {100 * statistics.median(errors):.2f}%, "
           f"worst {100 * max(errors):.2f}% (goal: median <= 2%, worst <= 5%)")
 

@@ -7,15 +7,9 @@ tensor parallelism over the processes) and activation checkpointing off and on, 
 micro-batch that fits is found by bisection over the halvings (memory grows with the
 micro-batch), so a layout costs a few traces, not one per micro-batch; with checkpointing, only
 the micro-batches larger than the plain step's largest are searched (a smaller one would only
-add recomputation to a step that already fits).
-
-Step time, for ranking (the absolute figure is indicative): compute = the step's FLOPs (counted
-once; with checkpointing, plus the blocks' forward, which runs again) / (processes x the precision's
-peak x ASSUMED_MFU), plus one host overhead per micro-step on accelerators; communication,
-not overlapped (a conservative choice), at the link's bandwidth: DDP all-reduces the gradients
-once a step, 2 (n-1)/n of their bytes; FSDP all-gathers the parameters in forward and backward
-of every micro-batch and reduce-scatters the gradients once, (n-1)/n of their bytes each; tensor
-parallelism all-reduces a block's activations four times a micro-batch.
+add recomputation to a step that already fits). The fitting candidates are ranked by predicted
+step time (`step_time.py`). Selective checkpointing is not a candidate: its cost is not predicted
+(`docs/design.md`).
 """
 
 from __future__ import annotations
@@ -35,7 +29,8 @@ from ..errors import UserError, unknown_name
 from .depth import by_depth
 from .estimate import Estimate
 from .fake_jobs import FakeJobs
-from .pipeline import pipeline_possible, pipeline_seconds
+from .pipeline import pipeline_possible
+from .step_time import flops_per_sample, step_seconds
 
 T = TypeVar("T")
 MARGIN = 0.10                 # of the predicted peak: allocator fragmentation, and what a trace does not see
@@ -43,9 +38,6 @@ RUNTIME_BYTES = 2**30         # per accelerator process, outside torch's tensors
 # cuBLAS's workspaces (32 MiB each on Hopper), one per thread that multiplies: the forward's and
 # autograd's. The caching allocator holds them, so on an accelerator they count inside --memory-limit.
 WORKSPACE_BYTES = 2 * 32 * 2**20
-ASSUMED_MFU = 0.4             # of the precision's peak, for predicted step times
-MICRO_STEP_OVERHEAD_S = 1e-3  # host time to launch a micro-step's kernels on an accelerator
-NODE_LINK_B_S = 25e9          # between nodes: 200 Gb/s InfiniBand or RoCE, each way
 CPU_LINK_B_S = 5e9            # Gloo between processes of one machine
 
 
@@ -153,10 +145,10 @@ def plan(cfg: Config, machine: Machine) -> Plan:
     with FakeJobs(machine.world) as traces, ThreadPoolExecutor(len(options) if machine.world > 1 else 1) as pool:
         # FLOPs are counted with torch's FLOP counter, whose module hooks are global: not while a
         # one-process job is traced in this process's pool, but while a sharded job's workers start.
-        flops = by_depth(cfg, _flops_per_sample) if machine.world == 1 else None
+        flops = by_depth(cfg, flops_per_sample) if machine.world == 1 else None
         planned = [pool.submit(_layout_candidates, cfg, machine, traces, strategy, parallel, result.global_batch)
                    for strategy, parallel in options]
-        flops = flops or by_depth(cfg, _flops_per_sample)
+        flops = flops or by_depth(cfg, flops_per_sample)
         result.candidates = [c for future in planned for c in future.result()]
     for c in result.candidates:
         if c.fits:
@@ -331,63 +323,3 @@ def largest_fitting(sizes: list[int], attempt: Callable[[int], T], fits: Callabl
         else:
             lo = mid + 1
     return at(lo), len(tried)
-
-
-@dataclass(frozen=True)
-class StepFlops:
-    """FLOPs per sample: of a training step, and of what activation checkpointing runs again (the
-    blocks' forward). A dataclass of numbers, so that `depth.by_depth` extrapolates it."""
-
-    train: int
-    recompute: int
-
-
-def _flops_per_sample(cfg: Config) -> StepFlops:
-    from .trace_cache import cached
-
-    return StepFlops(**cached(cfg, 1, lambda: dataclasses.asdict(_count_flops_per_sample(cfg)), "flops"))
-
-
-def _count_flops_per_sample(cfg: Config) -> StepFlops:
-    from ..distributed.parallelize import block_units
-    from ..observe.flops import count_step_flops, meta_batch
-    from ..training.job import model_and_data
-
-    spec, data = model_and_data(cfg)
-    one = meta_batch(tuple(t[:1] for t in data.train.batch(0)))
-    model = models.build_meta(spec)
-    return StepFlops(*count_step_flops(model, one, models.loss_for(spec), block_units(model)))
-
-
-def step_seconds(c: Candidate, cfg: Config, machine: Machine, flops_per_sample: StepFlops, batch: int) -> float:
-    """Predicted seconds per optimizer step (the module docstring gives the model)."""
-    from ..device.peak import peak_key
-
-    peak = machine.peak_flops.get(peak_key(cfg.train.precision)) or machine.peak_flops["fp32"]
-    per_sample = flops_per_sample.train + (flops_per_sample.recompute if c.activation_checkpointing else 0)
-    compute = per_sample * batch / (
-        machine.world * peak * ASSUMED_MFU)
-    overhead = c.grad_accum * MICRO_STEP_OVERHEAD_S if machine.device_type != "cpu" else 0.0
-    link = machine.link_b_s if machine.nnodes == 1 else min(machine.link_b_s, NODE_LINK_B_S)
-    bubble_and_sends = pipeline_seconds(_apply(cfg, c.settings), compute, link)
-    return compute + overhead + _communication_seconds(c, cfg, machine) + bubble_and_sends
-
-
-def _communication_seconds(c: Candidate, cfg: Config, machine: Machine) -> float:
-    spec = models.resolve(cfg.model.name, cfg.model.overrides)
-    n_params = sum(p.numel() for p in models.build_meta(spec).parameters())
-    w = machine.world
-    link = machine.link_b_s if machine.nnodes == 1 else min(machine.link_b_s, NODE_LINK_B_S)
-    compute_bytes = 2 if cfg.train.precision.startswith(("bf16", "fp16")) else 4
-    tp = int(c.settings.get("parallel.tp", 1))
-    if c.strategy == "DDP":
-        return 2 * (w - 1) / w * n_params * 4 / link
-    shard = int(c.settings.get("parallel.dp_shard", 1))
-    pp = int(c.settings.get("parallel.pp", 1))  # an FSDP group beside a pipeline holds one stage's weights
-    fsdp = 0.0 if shard == 1 else ((2 * c.grad_accum + 1) * (shard - 1) / shard * n_params / tp / pp * compute_bytes
-                                   / link)
-    if tp == 1:
-        return fsdp
-    tokens = c.micro_batch * getattr(spec.config, "block_size", 1)
-    per_block = 4 * 2 * (tp - 1) / tp * tokens * spec.config.d_model * compute_bytes
-    return fsdp + c.grad_accum * spec.config.n_layer * per_block / machine.link_b_s
