@@ -30,7 +30,7 @@ job's estimate is its rank with the largest peak.
 
 An FSDP stage (data parallelism beside the pipeline) differs. Its first backward of every run (not
 only of the step) makes the unsharded gradients; a backward keeps the weights it gathers, and a
-forward lets them go; so each phase is taken as traced after the same action as in the schedule
+forward (resharding after it) lets them go; so each phase is taken as traced after the same action as in the schedule
 (a warm-up forward after a forward, a cool-down backward after a backward). The end of
 each run reduce-scatters the gradients and lets the weights go (the traced `reduce`: its rise,
 then its net). Its weights are already in the compute dtype: autocast caches no copies of them.
