@@ -102,6 +102,8 @@ SUITE = [
     Case("gpt2-124m", 4, strategy="pp", world=4, overrides=GPT2 + PP2 + (("parallel.dp_shard", 2),)),
     # FSDP's CPU offload (on the CPU one memory: the whole; on an accelerator the host's part is apart)
     Case("gpt-tiny", 32, strategy="fsdp", world=2, overrides=(("parallel.fsdp_cpu_offload", True),)),
+    Case("gpt-tiny", 32, strategy="pp", world=4,
+         overrides=PP2 + (("parallel.dp_shard", 2), ("parallel.fsdp_cpu_offload", True))),
 ]
 QUICK = [c for c in SUITE if c.model in ("gpt-tiny", "resnet18") and c.batch_size <= 16]
 

@@ -129,6 +129,10 @@ def test_cpu_offload_keeps_the_shards_and_moments_out_of_an_accelerators_peak():
     n = sum(p.numel() for p in models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides)).parameters())
     assert on_cpu.host == 0 and on_gpu.host == pytest.approx(12 * n / 2, rel=0.01)
     assert on_gpu.peak + on_gpu.host == on_cpu.peak and on_gpu.parts["optimizer"] == 0
+    # the same beside a pipeline of two (each rank traced alone; the first stage also holds the embeddings)
+    piped = [*sets, "model.tie_embeddings=false", "parallel.pp=2", "parallel.pp_microbatches=2"]
+    on_cpu, on_gpu = (estimate(load_config(None, [*piped, f"run.device={d}"]), 4) for d in ("cpu", "cuda"))
+    assert on_cpu.host == 0 and 12 * n / 4 <= on_gpu.host <= 12 * n / 2 and on_gpu.peak + on_gpu.host == on_cpu.peak
 
 
 def test_a_pipeline_beside_fsdp_is_estimated_as_a_pipeline_of_sharded_stages():

@@ -123,4 +123,4 @@ def pipeline_here(cfg: Config, world: int) -> dict[str, int]:
         session = Session(cpu_info(), env=DistEnv(0, world, 0, world))
         plan_parallel(session, cfg.parallel)
     _, data = model_and_data(cfg)
-    return max(rank_peaks(cfg, data.train.batch(0), session), key=lambda parts: sum(parts.values()))
+    return max(rank_peaks(cfg, data.train.batch(0), session), key=on_device)

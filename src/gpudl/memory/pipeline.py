@@ -46,11 +46,13 @@ import torch
 from .. import models
 from ..config import Config, ParallelConfig
 from ..distributed.pipeline import rank_stages, stage_layers
+from .offload import on_device
 from .pipeline_trace import Parts, RankTrace, plus, trace_rank
 
 
 def _higher(a: Parts, b: Parts) -> Parts:
-    return b if sum(b.values()) > sum(a.values()) else a
+    """The higher on the device (what CPU offload keeps on the host not counted)."""
+    return b if on_device(b) > on_device(a) else a
 
 
 def rank_actions(p: ParallelConfig, pp_rank: int) -> list[tuple[str, int]]:

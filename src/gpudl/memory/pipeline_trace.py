@@ -38,6 +38,7 @@ from ..distributed.pipeline import StageLoss, split_model
 from ..models.attention import use_attention
 from ..training.optim import make_optimizer
 from ..training.precision import Precision, make_precision
+from .offload import OFFLOADED, offloads_to_host
 from .trace import (CATEGORIES, _breakdown, _create_optimizer_state, _fake_model, _FSDPTracker, _meta_model,
                     _real_device_meshes, _resized, _Tracker, _untracked_propagation)
 
@@ -104,6 +105,8 @@ def trace_rank(cfg: Config, pp_rank: int, example: tuple[torch.Tensor, ...], ses
         buffers = {s: _stage_buffers(s, split.n_stages, hidden, p.pp_microbatches) for s in split.stage_ids}
         received = [t for inputs, grads in buffers.values() for t in (*inputs, *grads)]
         tracker = _rank_tracker(split.model, parts, optimizer, [*batch, *ahead, *received])
+        if isinstance(tracker, _FSDPTracker) and offloads_to_host(cfg):  # FSDP's shards in host memory
+            tracker.host = OFFLOADED
         with tracker, _untracked_propagation(tracker):
             static = tracker.current()
             micro = (batch[0][:rows], batch[1][:rows])  # the schedule's micro-batches are views of the batch
@@ -158,7 +161,8 @@ def _start(tracker: _Tracker) -> Parts:
 
 
 def _since(tracker: _Tracker, start: Parts) -> Phase:
-    return Phase(plus(_breakdown(tracker.get_tracker_snapshot("peak")), start, -1), plus(tracker.current(), start, -1))
+    peak = _breakdown(tracker.get_tracker_snapshot("peak"), tracker.host)
+    return Phase(plus(peak, start, -1), plus(tracker.current(), start, -1))
 
 
 def _trace_stage(tracker: _Tracker, stage: torch.nn.Module, micro: tuple, buffers: tuple[list, list],
@@ -248,7 +252,9 @@ def _backward(tracker: _Tracker, stage: torch.nn.Module, f: _Forward, buffers: t
 
 def _update(tracker: _Tracker, optimizer: torch.optim.Optimizer, precision: Precision, max_norm: float) -> Parts:
     """The rise of the loop's update: clip (the pipeline's norm also sums the other stages' squares, a
-    scalar), the optimizer step, gradients unset."""
+    scalar), the optimizer step, gradients unset. With CPU offload it runs on the host, its temporaries too."""
+    if tracker.host:
+        tracker.host = tracker.host | {"TEMP"}
     start = _start(tracker)
     clip_grad_norm([p for group in optimizer.param_groups for p in group["params"]], max_norm)
     precision.step(optimizer, True)

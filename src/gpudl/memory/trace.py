@@ -185,6 +185,7 @@ class _GlobalPeak:
     Device queries and DTensor's shape propagation go through untracked (`__torch_dispatch__`)."""
 
     in_propagation = False
+    host: frozenset = frozenset()  # the trackers' kinds that `current` files as "host" (offload.OFFLOADED)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.prim.device.default or self.in_propagation:
@@ -209,7 +210,7 @@ class _GlobalPeak:
 
     def current(self) -> dict[str, int]:
         """Bytes by category live now."""
-        return _breakdown(self.get_tracker_snapshot("current"))
+        return _breakdown(self.get_tracker_snapshot("current"), self.host)
 
     def restart_peak(self) -> None:
         """Forget the peak so far, so that the next one read is of what runs from here (one phase of a step)."""
