@@ -100,6 +100,9 @@ SUITE = [
     Case("gpt-tiny", 32, strategy="pp", world=4, overrides=PP2 + (("parallel.tp", 2),)),
     Case("gpt-tiny", 32, "bf16-mixed", strategy="pp", world=4, overrides=PP2 + (("parallel.tp", 2),) + GPIPE),
     Case("gpt2-124m", 4, strategy="pp", world=4, overrides=GPT2 + PP2 + (("parallel.dp_shard", 2),)),
+    Case("gpt-tiny", 32, strategy="pp", world=4, overrides=PP2 + (("parallel.dp_shard", 2),) + INTERLEAVED),
+    Case("gpt-tiny", 32, "bf16-mixed", strategy="pp", world=4,
+         overrides=PP2 + (("parallel.dp_shard", 2),) + INTERLEAVED),
     # FSDP's CPU offload (on the CPU one memory: the whole; on an accelerator the host's part is apart)
     Case("gpt-tiny", 32, strategy="fsdp", world=2, overrides=(("parallel.fsdp_cpu_offload", True),)),
     Case("gpt-tiny", 32, strategy="pp", world=4,

@@ -40,7 +40,10 @@ CASES = [mm.Case("gpt-tiny", 8), mm.Case("gpt-tiny", 32, "bf16-mixed", activatio
              ("parallel.pp_microbatches", 4))),
          # beside the pipeline: FSDP (gradients and gathered weights held to the run's end), and TP
          mm.Case("gpt-tiny", 16, strategy="pp", world=4, overrides=(("parallel.pp", 2), ("parallel.dp_shard", 2))),
-         mm.Case("gpt-tiny", 16, strategy="pp", world=4, overrides=(("parallel.pp", 2), ("parallel.tp", 2)))]
+         mm.Case("gpt-tiny", 16, strategy="pp", world=4, overrides=(("parallel.pp", 2), ("parallel.tp", 2))),
+         mm.Case("gpt-tiny", 16, strategy="pp", world=4, overrides=(
+             ("parallel.pp", 2), ("parallel.dp_shard", 2), ("parallel.pp_schedule", "interleaved-1f1b"),
+             ("parallel.pp_stages_per_rank", 2), ("parallel.pp_microbatches", 4)))]
 SMALL_GPT = ["model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.block_size=64", "train.batch_size=16",
              "train.precision=bf16-mixed", "train.attention=sdpa"]
 

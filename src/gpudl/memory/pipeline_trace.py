@@ -139,10 +139,13 @@ def _rank_tracker(model: torch.nn.Module, stages: list[torch.nn.Module], optimiz
         tracker = _Tracker()
         tracker.track_external(model, optimizer, *inputs)
         return tracker
-    if len(stages) > 1:  # FSDPMemTracker follows one FSDP root
-        raise UserError("a pipeline of several stages a rank (interleaved-1f1b) with FSDP beside it: its memory is "
-                        "not estimated yet; plan it with parallel.pp_schedule=1f1b or gpipe")
     tracker = _FSDPTracker(stages[0], optimizer)
+    if len(stages) > 1:  # several FSDP roots a rank: torch's tracker reads its one root's modules and buffers
+        if not hasattr(tracker, "_root_mod"):
+            raise UserError(f"torch {torch.__version__}'s FSDPMemTracker cannot follow several FSDP stages a rank: "
+                            "the memory of interleaved-1f1b with FSDP beside it is not estimated; plan it with "
+                            "parallel.pp_schedule=1f1b or gpipe")
+        tracker._root_mod = torch.nn.ModuleList(stages)
     tracker.track_inputs(tuple(inputs))
     return tracker
 
