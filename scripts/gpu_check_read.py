@@ -276,7 +276,8 @@ def memory_accuracy(out: Path, name: str) -> dict:
     rows, source = _json(out / f"{name}.json"), f"{name}.json"
     if not isinstance(rows, list):
         source = f"{name}.log (no {name}.json: the phase ended before writing it)"
-        rows = [{"case": m[1], "error": float(m[4]) / 100} for ln in _log(out, name)
+        rows = [{"case": m[1], "predicted_bytes": float(m[2]) * 2**20, "measured_bytes": float(m[3]) * 2**20,
+                 "error": float(m[4]) / 100} for ln in _log(out, name)
                 if (m := MEM_ROW.match(ln.strip())) and not ln.startswith("case")]
     if not rows:
         return {}
@@ -284,7 +285,14 @@ def memory_accuracy(out: Path, name: str) -> dict:
     worst = max(rows, key=lambda r: abs(r["error"]))
     return {"source": source, "cases": len(rows), "median_abs_error_pct": 100 * statistics.median(errors),
             "worst_abs_error_pct": 100 * max(errors), "worst_case": worst["case"],
-            "rows": [{"case": r["case"], "error_pct": 100 * r["error"]} for r in rows]}
+            "rows": [{"case": r["case"], "error_pct": 100 * r["error"], "predicted_mib": _mib(r.get("predicted_bytes")),
+                      "measured_mib": _mib(r.get("measured_bytes")),
+                      "measured_baseline_mib": _mib(r.get("measured_baseline_bytes"))} for r in rows]}
+
+
+def _mib(nbytes: float | None) -> float | None:
+    """MiB, for the summary: where a gap comes from is read off these (a constant one is a runtime buffer)."""
+    return None if nbytes is None else nbytes / 2**20
 
 
 SERVE_ALONE = re.compile(r"^(resnet|gpt)\s+the model alone: a batch of 32 gives ([\d.]+)x")

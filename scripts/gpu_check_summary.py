@@ -182,7 +182,9 @@ def render_train(f: dict) -> list[str]:
 def render_memory(f: dict) -> list[str]:
     lines = [f"{f['cases']} cases: median absolute error **{f['median_abs_error_pct']:.2f}%**, worst "
              f"**{f['worst_abs_error_pct']:.2f}%** ({f['worst_case']}); goal: median ≤ 2%, worst ≤ 5%", ""]
-    return lines + table(["case", "error"], [[r["case"], f"{r['error_pct']:+.2f}%"] for r in f["rows"]])
+    rows = [[r["case"], fmt(r.get("predicted_mib"), ",.2f"), fmt(r.get("measured_mib"), ",.2f"),
+             fmt(r.get("measured_baseline_mib"), ",.2f"), f"{r['error_pct']:+.2f}%"] for r in f["rows"]]
+    return lines + table(["case", "predicted MiB", "measured MiB", "measured before the step, MiB", "error"], rows)
 
 
 def render_serve(f: dict) -> list[str]:
