@@ -105,6 +105,13 @@ def image_folder(root: Path, size: int) -> ImageSet:
     return ImageSet(images, torch.tensor([c for _, c in files]), classes)
 
 
+def normalized(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels as floats (p / 255 - mean) / std, in one pass: a multiply-add straight from uint8
+    (within 1.2e-7 of the four-step formula it replaces, and 1.7x as fast: docs/performance.md). The
+    host prepares every image batch, so on a GPU this pass is what a step waits for."""
+    return torch.addcmul(-mean / std, images, 1.0 / (255.0 * std))
+
+
 def _normalizer(data: ImageSet) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel mean and std (C, 1, 1) of a set's pixels in [0, 1]."""
     pixels = data.images.float() / 255.0
@@ -135,8 +142,7 @@ class ImageBatches:
         glob = self.batch_size * self.world
         start = pos * glob + self.rank * self.batch_size
         idx = self._permutation(epoch)[start:start + self.batch_size]
-        x = (self.data.images[idx].float() / 255.0 - self.mean) / self.std
-        return x, self.data.labels[idx]
+        return normalized(self.data.images[idx], self.mean, self.std), self.data.labels[idx]
 
 
 class ImageEvalBatches:
@@ -161,5 +167,4 @@ class ImageEvalBatches:
         k %= self.batches_per_pass
         positions = torch.arange(k * self.global_batch, min(len(self.data.labels), (k + 1) * self.global_batch))
         idx = positions.tensor_split(self.world)[self.rank]
-        x = (self.data.images[idx].float() / 255.0 - self.mean) / self.std
-        return x, self.data.labels[idx]
+        return normalized(self.data.images[idx], self.mean, self.std), self.data.labels[idx]
