@@ -14,6 +14,11 @@ from ..config import Config
 OFFLOADED = frozenset({"SHARDED_PARAM", "SHARDED_GRAD", "OPT"})
 
 
+def in_the_update(host: frozenset) -> frozenset:
+    """The kinds on the host while the update runs: with offload it runs there, its temporaries too."""
+    return host | {"TEMP"} if host else host
+
+
 def on_device(parts: dict[str, int]) -> int:
     """Bytes in the device's memory: all but what CPU offload keeps on the host."""
     return sum(v for k, v in parts.items() if k != "host")

@@ -38,7 +38,7 @@ from ..distributed.pipeline import StageLoss, split_model
 from ..models.attention import use_attention
 from ..training.optim import make_optimizer
 from ..training.precision import Precision, make_precision
-from .offload import OFFLOADED, offloads_to_host
+from .offload import OFFLOADED, in_the_update, offloads_to_host
 from .trace import (CATEGORIES, _breakdown, _create_optimizer_state, _fake_model, _FSDPTracker, _meta_model,
                     _real_device_meshes, _resized, _Tracker, _untracked_propagation)
 
@@ -120,8 +120,9 @@ def trace_rank(cfg: Config, pp_rank: int, example: tuple[torch.Tensor, ...], ses
 def _stream_dtype(precision: Precision, session) -> torch.dtype:
     from ..distributed.fsdp import mixed_precision_policy
 
-    sharded = session is not None and session.dims.dp > 1
-    return (sharded and mixed_precision_policy(precision.name).param_dtype) or precision.param_dtype
+    if session is not None and session.dims.dp > 1:  # FSDP gathers the weights in its policy's dtype
+        return mixed_precision_policy(precision.name).param_dtype or precision.param_dtype
+    return precision.param_dtype
 
 
 def _prepared(stage: torch.nn.Module, cfg: Config, precision: Precision, session) -> torch.nn.Module:
@@ -256,8 +257,7 @@ def _backward(tracker: _Tracker, stage: torch.nn.Module, f: _Forward, buffers: t
 def _update(tracker: _Tracker, optimizer: torch.optim.Optimizer, precision: Precision, max_norm: float) -> Parts:
     """The rise of the loop's update: clip (the pipeline's norm also sums the other stages' squares, a
     scalar), the optimizer step, gradients unset. With CPU offload it runs on the host, its temporaries too."""
-    if tracker.host:
-        tracker.host = tracker.host | {"TEMP"}
+    tracker.host = in_the_update(tracker.host)
     start = _start(tracker)
     clip_grad_norm([p for group in optimizer.param_groups for p in group["params"]], max_norm)
     precision.step(optimizer, True)

@@ -248,11 +248,11 @@ def layouts(cfg: Config, machine: Machine) -> list[tuple[str, dict[str, object]]
                         {"parallel.pp": 1, "parallel.tp": t, "parallel.dp_replicate": 1, "parallel.dp_shard": rest}))
     # A pipeline over every process, or over some with FSDP beside it; the micro-batches
     # `_largest_that_fits` tries are those its schedule can split.
-    for p in (2, 4, 8, w):
+    for p in sorted({2, 4, 8, w}):
         if p <= w and w % p == 0 and pipeline_possible(cfg, p):
             out.append((f"PP {p}" + (f" x FSDP {w // p}" if p < w else ""),
                         {"parallel.tp": 1, "parallel.pp": p, "parallel.dp_replicate": 1, "parallel.dp_shard": w // p}))
-    return list(dict(out).items())  # one of each name (w may be 2, 4 or 8 itself)
+    return out
 
 
 def _tp_possible(cfg: Config, tp: int) -> bool:

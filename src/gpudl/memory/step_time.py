@@ -60,8 +60,7 @@ def step_seconds(c, cfg: Config, machine, flops: StepFlops, batch: int) -> float
     compute = per_sample * batch / (machine.world * peak * ASSUMED_MFU)
     overhead = c.grad_accum * MICRO_STEP_OVERHEAD_S if machine.device_type != "cpu" else 0.0
     link = machine.link_b_s if machine.nnodes == 1 else min(machine.link_b_s, NODE_LINK_B_S)
-    settings = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in c.settings.items()]
-    bubble_and_sends = pipeline_seconds(with_sets(cfg, settings), compute, link)
+    bubble_and_sends = pipeline_seconds(with_sets(cfg, c.sets), compute, link)
     return compute + overhead + _communication_seconds(c, cfg, machine) + bubble_and_sends
 
 

@@ -39,7 +39,7 @@ from ..training.loop import Job, clip_gradients, forward_backward
 from ..training.micro import micro_batches
 from ..training.precision import make_precision
 from ..training.session import Session
-from .offload import OFFLOADED, offloads_to_host, on_device
+from .offload import OFFLOADED, in_the_update, offloads_to_host, on_device
 
 # What holds the bytes, as gpudl reports it; torch's trackers name them their own way. "host": what
 # FSDP's CPU offload keeps in host memory beside an accelerator's (not part of the device's peak).
@@ -59,7 +59,6 @@ Phases = dict[str, Parts]     # a piece of the step (`_Pieces`) -> bytes by cate
 def at_peak(phases: Phases) -> Parts:
     """The breakdown at the device's peak: that of the piece whose own peak is the highest."""
     return max(phases.values(), key=on_device)
-
 
 
 def trace_step(cfg: Config, session: Session, example: tuple[torch.Tensor, ...], ddp: bool = False) -> Phases:
@@ -314,9 +313,9 @@ def _step(job: Job, cfg: Config, batch, tracker: MemTracker) -> Phases:
     phase. Of an accumulating step, two micro-batches are enough: from the second on, each runs
     with the gradients of those before it held, and the last one synchronises them. (The trackers
     take a second forward of the model for a new step unless their per-module figures are reset.)"""
-    from torch.distributed.fsdp import FSDPModule
-
-    pieces = _Pieces(tracker, job.model, offloaded=isinstance(job.model, FSDPModule) and offloads_to_host(cfg))
+    if isinstance(tracker, _FSDPTracker) and offloads_to_host(cfg):  # FSDP's shards in host memory
+        tracker.host = OFFLOADED
+    pieces = _Pieces(tracker, job.model)
     micros = micro_batches([batch], cfg.train.batch_size)
     if len(micros) > 1:
         with job.grad_sync(False):
@@ -324,6 +323,7 @@ def _step(job: Job, cfg: Config, batch, tracker: MemTracker) -> Phases:
         tracker.reset_mod_stats()
     forward_backward(job, micros[-1:])
     pieces.close("forward-backward end")
+    tracker.host = in_the_update(tracker.host)
     clip_gradients(job, cfg.train.grad_clip)
     job.precision.step(job.optimizer, True)
     job.optimizer.zero_grad(set_to_none=True)
@@ -343,9 +343,8 @@ class _Pieces:
     (clipping and the optimizer step) is one piece: its operators take every parameter at once
     (foreach), so the same holds for it."""
 
-    def __init__(self, tracker: _GlobalPeak, model: torch.nn.Module, offloaded: bool = False):
+    def __init__(self, tracker: _GlobalPeak, model: torch.nn.Module):
         self.tracker, self.found, self.seen = tracker, {}, collections.Counter()
-        self.offloaded = offloaded  # FSDP's CPU offload: its shards (and the update) are on the host
         model.register_forward_hook(functools.partial(self._after, "model"))
         blocks = block_units(model)
         for j, block in enumerate(blocks):
@@ -355,8 +354,8 @@ class _Pieces:
 
     def close(self, name: str) -> None:
         """Keep the peak since the last boundary as piece `name`, and start the next piece."""
-        host = (OFFLOADED | {"TEMP"} if name == "update" else OFFLOADED) if self.offloaded else frozenset()
-        self.found[f"{name} #{self.seen[name]}"] = _breakdown(self.tracker.get_tracker_snapshot("peak"), host)
+        self.found[f"{name} #{self.seen[name]}"] = _breakdown(self.tracker.get_tracker_snapshot("peak"),
+                                                              self.tracker.host)
         self.seen[name] += 1
         self.tracker.restart_peak()
 
