@@ -107,6 +107,9 @@ SUITE = [
     Case("gpt-tiny", 32, strategy="fsdp", world=2, overrides=(("parallel.fsdp_cpu_offload", True),)),
     Case("gpt-tiny", 32, strategy="pp", world=4,
          overrides=PP2 + (("parallel.dp_shard", 2), ("parallel.fsdp_cpu_offload", True))),
+    # ... asked of one process: FSDP over a group of one, gradients summed in host memory each micro-batch
+    Case("gpt-tiny", 32, overrides=(("parallel.fsdp_cpu_offload", True),)),
+    Case("gpt2-124m", 4, "bf16-mixed", overrides=GPT2 + (("parallel.fsdp_cpu_offload", True), ("train.grad_accum", 2))),
 ]
 QUICK = [c for c in SUITE if c.model in ("gpt-tiny", "resnet18") and c.batch_size <= 16]
 

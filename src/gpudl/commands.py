@@ -191,7 +191,9 @@ def cmd_plan(args, console: Console) -> int:
     if args.json:
         _print_json(plan_json(result))
     else:
-        console.print(plan_table(result), width=max(console.width, 120))
+        if not console.is_terminal:  # a pipe or a file: the whole table, not one squeezed into 80 columns
+            console.width = max(console.width, 140)
+        console.print(plan_table(result))
     console.print(why(result), markup=False, soft_wrap=True)
     return 0 if result.winner else 2
 

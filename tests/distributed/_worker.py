@@ -13,18 +13,19 @@ import bodies  # noqa: E402  (the bodies live next to this file)
 
 name, kwargs, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 backend = os.environ["GPUDL_TEST_BACKEND"]
-rank = int(os.environ["RANK"])
-if os.environ.get("GPUDL_TEST_DEVICE", "cpu") != "cpu":  # one accelerator per rank, as gpudl picks it
-    torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
-# The group is the helper's (file rendezvous), so a test that needs a short collective timeout says so here.
-timeout = timedelta(seconds=float(os.environ.get("GPUDL_TEST_TIMEOUT_S", 300)))
-dist.init_process_group(backend, init_method=os.environ["GPUDL_TEST_INIT"], rank=rank,
-                        world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+if "RANK" in os.environ:  # else a process alone, as `gpudl train` without torchrun: gpudl makes any group itself
+    if os.environ.get("GPUDL_TEST_DEVICE", "cpu") != "cpu":  # one accelerator per rank, as gpudl picks it
+        torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
+    # The group is the helper's (file rendezvous), so a test that needs a short collective timeout says so here.
+    timeout = timedelta(seconds=float(os.environ.get("GPUDL_TEST_TIMEOUT_S", 300)))
+    dist.init_process_group(backend, init_method=os.environ["GPUDL_TEST_INIT"], rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 try:
     result = getattr(bodies, name)(**kwargs)
     torch.save(result, out)
 finally:
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 # The result is saved and the group destroyed: end now. Python's own shutdown has, rarely,
 # aborted a worker at this point ("terminate called without an active exception" from torch's
 # C++ teardown), failing a test of training over a race that happens after it. (gpudl's own

@@ -39,7 +39,8 @@ def train_tiny(sets: list[str], resume: str | None = None, device: str = "cpu") 
     result = train(cfg, resume=resume, console=Console(quiet=True))
     return {"losses": {r["step"]: r["loss"] for r in result.records if r["kind"] == "train"},
             "evals": [r for r in result.records if r["kind"] == "eval"],
-            "params": full_params(result.model), "summary": result.summary, "rank": dist.get_rank()}
+            "params": full_params(result.model), "summary": result.summary, "rank": dist.get_rank(),
+            "shards_on": sorted({p.to_local().device.type for p in result.model.parameters() if hasattr(p, "to_local")})}
 
 
 def train_and_state(sets: list[str], resume: str | None = None, device: str = "cpu") -> dict:

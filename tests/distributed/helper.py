@@ -56,11 +56,12 @@ def _output(log: Path) -> str:
 
 
 def run_ranks(body: str, world: int, tmp_path: Path, device: str = "cpu", timeout: float = 180,
-              env: dict | None = None, expect_failure: bool = False, **kwargs) -> list:
+              env: dict | None = None, expect_failure: bool = False, alone: bool = False, **kwargs) -> list:
     """Run `bodies.<body>(device=device, **kwargs)` on `world` ranks, each on its own device of that type (the
     CPU: shared); returns each rank's return value (torch.load'ed).
 
     With `expect_failure`, returns [(exit status, output)] per rank instead of failing the test.
+    `alone`: one process with no rank environment and no group made for it (`gpudl train` without torchrun).
     """
     need_devices(device, world)
     backend = backend_for(device)
@@ -74,6 +75,9 @@ def run_ranks(body: str, world: int, tmp_path: Path, device: str = "cpu", timeou
         penv = {**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(world), "GPUDL_TEST_INIT": f"file://{init}", "GPUDL_TEST_BACKEND": backend,
                 "GPUDL_TEST_DEVICE": device, "OMP_NUM_THREADS": "1"}
+        if alone:
+            for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+                penv.pop(key)
         args = [sys.executable, str(HERE / "_worker.py"), body, json.dumps(kwargs), str(tmp_path / f"rank{rank}.pt")]
         with open(log, "w") as out:
             procs.append(subprocess.Popen(args, env=penv, stdout=out, stderr=subprocess.STDOUT,

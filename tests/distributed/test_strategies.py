@@ -58,6 +58,18 @@ def test_data_parallel_equals_one_process_on_the_full_batch(tmp_path, tmp_path_f
     assert ranks[0]["summary"]["device"].startswith(device if device == "cpu" else ("cuda", "rocm", device))
 
 
+def test_cpu_offload_on_one_process_equals_the_plain_run(tmp_path, tmp_path_factory, device):
+    """FSDP's CPU offload asked of a process alone (one device, a model larger than it): FSDP runs over a
+    group of one that gpudl makes itself, accumulating the micro-batches' gradients in host memory."""
+    want = shared_reference(tmp_path_factory, 8, device)
+    got = run_ranks("train_tiny", 1, tmp_path, device, alone=True,
+                    sets=["parallel.fsdp_cpu_offload=true", "train.batch_size=4", "train.grad_accum=2",
+                          f"run.dir={tmp_path}/runs", "run.name=alone"])[0]
+    assert got["summary"]["processes"] == 1
+    assert got["shards_on"] == ["cpu"]  # FSDP's shards (DTensors), in host memory
+    assert_same_training(got, want, tolerance(device))
+
+
 def test_hsdp_equals_one_process_on_the_full_batch(tmp_path, tmp_path_factory, device):
     need_devices(device, 4)
     want = shared_reference(tmp_path_factory, 16, device)

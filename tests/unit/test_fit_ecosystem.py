@@ -122,9 +122,9 @@ def plain_pytorch(model, batches, steps: int, loss_of, lr: float = 3e-3, device:
     return out
 
 
-def assert_trained_like(result, reference: list[float], device: str = "cpu") -> None:
+def assert_trained_like(result, reference: list[float], device: str = "cpu", at_least: float = 0.0) -> None:
     got = losses(result)
-    assert got == pytest.approx(reference, abs=tol(device))
+    assert got == pytest.approx(reference, abs=max(tol(device), at_least))
     assert next(result.model.parameters()).device.type == torch.device(device).type
     assert got[-1] < 0.6 * got[0]  # it learned
     assert result.metrics.mfu > 0 and result.summary["flops_per_sample"] > 0 and result.metrics.mfu_note is None
@@ -169,7 +169,9 @@ def test_resnet_with_dict_samples_from_a_dataset(device):
     source = as_batch_source(data, 32, seed=0)  # the batches fit drew: positions of a seeded permutation
     reference = plain_pytorch(resnet(), (source.batch(k) for k in range(40)), 40, lambda m, b: m(**b).loss, lr=1e-2,
                               device=device)
-    assert_trained_like(result, reference, device)
+    # At this learning rate the last float bit grows: on a Xeon with AVX512 and AMX (2026-12-04) the two
+    # runs differ by 1.2e-7 from the third step and by up to 2.9e-5 after step 30 (1e-5 held on AMD EPYC CPUs).
+    assert_trained_like(result, reference, device, 1e-4)
 
 
 def test_a_dataloader_is_used_as_it_is(capsys):

@@ -56,3 +56,17 @@ def test_where_nothing_fits_the_report_gives_the_breakdown_and_the_fixes():
     said = why(result)
     assert result.winner is None and said.startswith("Nothing fits in")
     assert "predicted peak per process" in said and "fixes, by predicted saving: " in said and "bf16-mixed -" in said
+
+
+def test_on_an_accelerator_cpu_offload_is_a_fix_worth_the_training_state():
+    """Where host memory is apart from the device's, FSDP's CPU offload is offered: it takes AdamW's
+    moments (8 bytes a parameter), the gradients and the weights but those a block gathers back off
+    the device: more than the moments, less than all 16 bytes a parameter of fp32 training. On the
+    CPU, one memory, it saves nothing and is not offered."""
+    sets = [*ASKED.config_sets(), "model.n_layer=2", "train.batch_size=8"]
+    n = sum(p.numel() for p in models.build_meta(models.resolve("gpt-tiny", {"n_layer": 2})).parameters())
+    on_cpu = load_config(None, sets)
+    assert "FSDP CPU offload" not in {f.name for f in fixes(on_cpu, 1, estimate(on_cpu))}
+    on_gpu = load_config(None, [*sets, "run.device=cuda"])
+    offload = {f.name: f for f in fixes(on_gpu, 1, estimate(on_gpu))}["FSDP CPU offload"]
+    assert offload.sets == ("parallel.fsdp_cpu_offload=true",) and 8 * n < offload.saving < 16 * n

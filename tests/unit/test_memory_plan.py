@@ -30,6 +30,8 @@ CASES = [mm.Case("gpt-tiny", 8), mm.Case("gpt-tiny", 32, "bf16-mixed", activatio
          mm.Case("gpt-tiny", 16, activation_checkpointing="selective"),
          mm.Case("gpt-tiny", 8, strategy="ddp", world=2, overrides=(("train.grad_accum", 4),)), mm.Case("gpt-tiny", 32, strategy="fsdp", world=2),
          mm.Case("gpt-tiny", 32, strategy="tp", world=2), mm.Case("resnet18", 8, overrides=(("data.image_size", 32),)),
+         # FSDP's CPU offload asked of one process: FSDP over a group of one, gradients summed on the host
+         mm.Case("gpt-tiny", 16, overrides=(("parallel.fsdp_cpu_offload", True), ("train.grad_accum", 2))),
          mm.Case("resnet18", 8, strategy="ddp", world=2, overrides=(("data.image_size", 32),)),
          # pipelines (1F1B, GPipe, interleaved): each rank's stages traced alone, combined in the schedule's order
          mm.Case("gpt-tiny", 16, strategy="pp", world=2),
@@ -120,8 +122,9 @@ def test_a_pipeline_is_planned_where_the_model_allows_it():
 
 def test_cpu_offload_keeps_the_shards_and_moments_out_of_an_accelerators_peak():
     """FSDP's CPU offload: on the CPU host and device are one memory; on an accelerator the same trace
-    is split, and what it keeps on the host is, by count, the weights' shard and AdamW's two moments
-    (12 bytes a parameter over 2 shards); the device's peak is the CPU's less that."""
+    is split, and what it keeps on the host at the device's peak is, by count, the weights' shard and
+    AdamW's two moments (12 bytes a parameter over 2 shards); the device's peak is the CPU's less that.
+    The host's own peak, in the update, holds the gradients' shard too (16 bytes a parameter)."""
     from gpudl import models
 
     sets = [*SMALL_GPT, "train.precision=fp32", "parallel.dp_replicate=1", "parallel.dp_shard=2",
@@ -130,12 +133,33 @@ def test_cpu_offload_keeps_the_shards_and_moments_out_of_an_accelerators_peak():
     on_gpu = estimate(load_config(None, [*sets, "run.device=cuda"]), 2)
     cfg = load_config(None, sets)
     n = sum(p.numel() for p in models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides)).parameters())
-    assert on_cpu.host == 0 and on_gpu.host == pytest.approx(12 * n / 2, rel=0.01)
-    assert on_gpu.peak + on_gpu.host == on_cpu.peak and on_gpu.parts["optimizer"] == 0
+    assert on_cpu.host == 0 and on_gpu.parts["host"] == pytest.approx(12 * n / 2, rel=0.01)
+    assert on_gpu.host == pytest.approx(16 * n / 2, rel=0.01)
+    assert on_gpu.peak + on_gpu.parts["host"] == on_cpu.peak and on_gpu.parts["optimizer"] == 0
     # the same beside a pipeline of two (each rank traced alone; the first stage also holds the embeddings)
     piped = [*sets, "model.tie_embeddings=false", "parallel.pp=2", "parallel.pp_microbatches=2"]
     on_cpu, on_gpu = (estimate(load_config(None, [*piped, f"run.device={d}"]), 4) for d in ("cpu", "cuda"))
     assert on_cpu.host == 0 and 12 * n / 4 <= on_gpu.host <= 12 * n / 2 and on_gpu.peak + on_gpu.host == on_cpu.peak
+
+
+def test_when_nothing_fits_on_the_device_the_plan_offloads_to_the_host():
+    """A GPU whose memory holds less than the weights, gradients and AdamW state: every plan on the device
+    alone is rejected, and the winner keeps them in host memory (FSDP's CPU offload, over one process),
+    with its predicted peak under the memory and the host's 16 bytes a parameter (fp32 weights,
+    gradients and two moments) said beside it."""
+    from gpudl import models
+    from gpudl.memory.plan import WORKSPACE_BYTES
+
+    sets = [*SMALL_GPT, "model.d_model=512", "model.n_head=8", "train.batch_size=4"]
+    cfg = load_config(None, sets)
+    n = sum(p.numel() for p in models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides)).parameters())
+    machine = target_machine("l4", 1, limit=WORKSPACE_BYTES + 12 * n)  # less than the 16 bytes a parameter
+    result = plan(cfg, machine)
+    on_device = [c for c in result.candidates if "parallel.fsdp_cpu_offload" not in c.settings]
+    assert on_device and not any(c.fits for c in on_device)
+    w = result.winner
+    assert w is not None and "parallel.fsdp_cpu_offload=true" in w.sets and w.strategy == "one process · CPU offload"
+    assert w.estimate.peak * 1.1 <= machine.usable and w.estimate.host == pytest.approx(16 * n, rel=0.02)
 
 
 def test_a_pipeline_beside_fsdp_is_estimated_as_a_pipeline_of_sharded_stages():

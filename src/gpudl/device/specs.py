@@ -73,15 +73,16 @@ class Target:
     device: str           # the name its driver reports (for the datasheet peaks above)
     memory_gib: float     # memory as torch reports it (a "40 GB" A100 has 39.4 GiB)
     link_gb_s: float      # GB/s between two GPUs of one node, each way (NVLink, Infinity Fabric or PCIe)
+    host_gb_s: float = 25  # GB/s between the GPU and host memory, each way (its PCIe link): FSDP's CPU offload
 
 
 # Node-internal links: NVLink 4 (H100/H200) 450 GB/s each way, NVLink 3 (A100) 300, NVLink 2 (V100) 150,
-# Infinity Fabric (MI300X) 448; PCIe 4 x16 about 25 GB/s in practice, PCIe 5 about 50.
+# Infinity Fabric (MI300X) 448; PCIe 4 x16 about 25 GB/s in practice, PCIe 5 about 50, PCIe 3 about 12.
 TARGETS: dict[str, Target] = {t.name: t for t in (
-    Target("h200", "H200", 140.4, 450), Target("h100-80gb", "H100 SXM", 79.1, 450),
-    Target("h100-pcie", "H100 PCIe", 79.1, 50), Target("a100-80gb", "A100-SXM4-80GB", 79.2, 300),
+    Target("h200", "H200", 140.4, 450, 50), Target("h100-80gb", "H100 SXM", 79.1, 450, 50),
+    Target("h100-pcie", "H100 PCIe", 79.1, 50, 50), Target("a100-80gb", "A100-SXM4-80GB", 79.2, 300),
     Target("a100-40gb", "A100-SXM4-40GB", 39.4, 300), Target("l40s", "L40S", 44.4, 25),
     Target("l4", "L4", 22.0, 25), Target("a10g", "A10G", 22.0, 25), Target("rtx-4090", "RTX 4090", 23.6, 25),
-    Target("rtx-3090", "RTX 3090", 23.6, 25), Target("v100-32gb", "V100-SXM2-32GB", 31.7, 150),
-    Target("t4", "T4", 14.6, 12), Target("mi300x", "MI300X", 192.0, 448),
+    Target("rtx-3090", "RTX 3090", 23.6, 25), Target("v100-32gb", "V100-SXM2-32GB", 31.7, 150, 12),
+    Target("t4", "T4", 14.6, 12, 12), Target("mi300x", "MI300X", 192.0, 448, 50),
 )}

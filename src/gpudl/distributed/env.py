@@ -96,6 +96,15 @@ def init_process_group(env: DistEnv, backend: str, timeout_s: int, init_method: 
     atexit.register(_leave_process_group)
 
 
+def join_alone(backend: str) -> None:
+    """A process group of this process alone (no rendezvous: an in-memory store), for what torch only
+    does over a group, such as FSDP's CPU offload on one device. A no-op when a group exists."""
+    if dist.is_initialized():
+        return
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    atexit.register(_leave_process_group)
+
+
 def _leave_process_group() -> None:
     """Destroy the group we joined while Python is still whole. Left to interpreter shutdown,
     the backend's threads can abort a finished process ("terminate called without an active

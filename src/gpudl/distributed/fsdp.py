@@ -39,12 +39,14 @@ def apply_fsdp(model: nn.Module, units: list[nn.Module], dp_mesh: DeviceMesh, pr
     return model
 
 
-def fsdp_grad_sync(model: nn.Module):
-    """Context for a micro-batch: reduce-scatter gradients only on the last micro-batch of a step."""
+def fsdp_grad_sync(model: nn.Module, every_micro_batch: bool = False):
+    """Context for a micro-batch: reduce-scatter gradients only on the last micro-batch of a step, or
+    on every one (`every_micro_batch`, with CPU offload: the sharded gradients then add up in host
+    memory, where a skipped sync would keep every unsharded gradient on the device)."""
 
     @contextmanager
     def sync(last: bool):
-        model.set_requires_gradient_sync(last)
+        model.set_requires_gradient_sync(last or every_micro_batch)
         try:
             yield
         finally:

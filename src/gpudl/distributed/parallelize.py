@@ -120,7 +120,7 @@ class _Layout:
 
     @property
     def data_parallel(self) -> bool:
-        return self.dims is not None and self.mesh is not None and self.dims.dp > 1
+        return self.dims is not None and self.mesh is not None and (self.dims.dp > 1 or self.parallel.fsdp_cpu_offload)
 
 
 def _data_parallel(model: nn.Module, layout: _Layout) -> Parallelized:
@@ -128,13 +128,13 @@ def _data_parallel(model: nn.Module, layout: _Layout) -> Parallelized:
     # asserts): with tensor or pipeline parallelism, replication too goes through FSDP2, on a
     # (dp_replicate, dp_shard=1) mesh: shards of one rank, gradients all-reduced.
     dims, mesh, cfg = layout.dims, layout.mesh, layout.parallel
-    if dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1:
+    if dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1 or cfg.fsdp_cpu_offload:
         from .fsdp import apply_fsdp, fsdp_grad_sync
 
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
         model = apply_fsdp(model, block_units(model), dp_mesh, layout.precision_name,
                            cfg.fsdp_reshard_after_forward, cfg.fsdp_cpu_offload)
-        return Parallelized(model, grad_sync=fsdp_grad_sync(model))
+        return Parallelized(model, grad_sync=fsdp_grad_sync(model, every_micro_batch=cfg.fsdp_cpu_offload))
     from .ddp import apply_ddp, ddp_grad_sync
 
     model = apply_ddp(model, mesh["dp_replicate"], layout.device)

@@ -32,6 +32,7 @@ class Estimate:
     strategy: str                          # "one process", "DDP", "FSDP", "HSDP", "TP", ...
     world: int
     parts: dict[str, int] = field(default_factory=dict)   # trace.CATEGORIES -> bytes at the peak
+    host_peak: int = 0                     # FSDP's CPU offload: the most it holds in host memory, over the step
 
     @property
     def peak(self) -> int:
@@ -40,7 +41,13 @@ class Estimate:
 
     @property
     def host(self) -> int:
-        return self.parts.get("host", 0)
+        """Host memory that CPU offload needs: its own peak (in the update, where the device's is not)."""
+        return max(self.host_peak, self.parts.get("host", 0))
+
+
+def from_phases(strategy: str, world: int, phases: Phases) -> Estimate:
+    """The estimate of a traced step: the device's peak, and the host's."""
+    return Estimate(strategy, world, at_peak(phases), max(p.get("host", 0) for p in phases.values()))
 
 
 def dims_of(cfg: Config, world: int) -> ParallelDims:
@@ -51,13 +58,14 @@ def dims_of(cfg: Config, world: int) -> ParallelDims:
 def strategy_of(cfg: Config, world: int) -> str:
     """The strategy's name: "one process", "DDP", "FSDP", "HSDP", "TP", "TP+FSDP" or "PP"."""
     d = dims_of(cfg, world)
-    if world == 1:
+    offload = cfg.parallel.fsdp_cpu_offload  # FSDP's, even over one process or replicas (`distributed/parallelize.py`)
+    if world == 1 and not offload:
         return "one process"
     if d.pp > 1:
         return "PP"
     if d.tp > 1:
         return "TP+FSDP" if d.dp > 1 else "TP"
-    if d.dp_shard > 1:
+    if d.dp_shard > 1 or offload:
         return "HSDP" if d.dp_replicate > 1 else "FSDP"
     return "DDP"
 
@@ -74,7 +82,7 @@ def estimate_here(cfg: Config, world: int, whole: bool = False) -> Estimate:
 
     def trace(c: Config) -> Phases:
         return cached(c, world, lambda: {"phases": traced_here(c, world)})["phases"]
-    return Estimate(kind, world, at_peak(trace(cfg) if whole else by_depth(cfg, trace)))
+    return from_phases(kind, world, trace(cfg) if whole else by_depth(cfg, trace))
 
 
 def traced_here(cfg: Config, world: int) -> Phases:

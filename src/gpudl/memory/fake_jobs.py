@@ -5,7 +5,8 @@ code runs as rank 0 with nobody else there, and the caller's own process group i
 A planner asks for many estimates, from a thread per layout, and an estimate of a deep GPT is two
 traces (`depth.py`), asked for side by side: each trace goes to a free worker; workers are
 started on first need, up to one per CPU, and kept until the jobs are closed. A job of one
-process needs no fake group: it is estimated in the caller's process, one trace at a time.
+process needs no fake group: it is estimated in the caller's process, one trace at a time (unless it
+asks for FSDP's CPU offload: FSDP over a group of one, the worker's fake one).
 
 Protocol: one JSON request per line on the worker's stdin ({"config": TOML text}), one answer per
 line on its stdout: {"phases": {piece: {category: bytes}}} (a trace at the config's depth) or,
@@ -29,8 +30,8 @@ from ..config import Config
 from ..device.discovery import usable_cpus
 from ..errors import UserError
 from .depth import by_depth
-from .estimate import Estimate, estimate_here, pipeline_here, strategy_of, traced_here
-from .trace import Phases, at_peak
+from .estimate import Estimate, estimate_here, from_phases, pipeline_here, strategy_of, traced_here
+from .trace import Phases
 from .trace_cache import cached
 
 
@@ -61,16 +62,16 @@ class FakeJobs:
             worker.wait()
 
     def estimate(self, cfg: Config) -> Estimate:
-        if self.world == 1:
-            return estimate_here(cfg, 1, self.whole)
         kind = strategy_of(cfg, self.world)
+        if kind == "one process":
+            return estimate_here(cfg, 1, self.whole)
         if kind == "PP":
             return Estimate(kind, self.world, self._ask(cfg)["parts"])
 
         def trace(c: Config) -> Phases:
             return self._ask(c)["phases"]
         phases = trace(cfg) if self.whole else by_depth(cfg, trace, self._pairs.map)
-        return Estimate(kind, self.world, at_peak(phases))
+        return from_phases(kind, self.world, phases)
 
     def _ask(self, cfg: Config) -> dict:
         answer = cached(cfg, self.world, lambda: self._ask_worker(cfg))

@@ -2,7 +2,8 @@
 
 Each fix is the job as asked with one change, estimated as the job itself is (`estimate.py`), so
 its saving is the difference of two traces: precision (bf16-mixed), activation checkpointing,
-sharding (FSDP over the job's processes, or over two where there is one), and half the
+sharding (FSDP over the job's processes, or over two where there is one), FSDP's CPU offload (on
+an accelerator: weights, gradients and optimizer state in host memory), and half the
 micro-batch (twice the accumulation: the global batch is kept). Recovery itself (halve and redo
 the step) is the training loop's (`training/loop.py`, `training/micro.py`).
 """
@@ -16,6 +17,7 @@ from ..config import Config, with_sets
 from ..distributed.parallelize import checkpoint_mode
 from .estimate import Estimate, dims_of
 from .fake_jobs import FakeJobs
+from .offload import offloads_to_host
 
 GiB = 2**30
 
@@ -42,6 +44,8 @@ def _candidates(cfg: Config, world: int) -> list[tuple[str, list[str], int]]:
     if dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1:
         shards = max(world, 2)
         out.append((f"FSDP over {shards} processes", ["parallel.dp_replicate=1", f"parallel.dp_shard={shards}"], shards))
+    if not cfg.parallel.fsdp_cpu_offload and offloads_to_host(with_sets(cfg, ["parallel.fsdp_cpu_offload=true"])):
+        out.append(("FSDP CPU offload", ["parallel.fsdp_cpu_offload=true"], world))  # state in host memory
     if t.batch_size > 1:
         out.append((f"micro-batch {t.batch_size} -> {t.batch_size // 2}",
                     [f"train.batch_size={t.batch_size // 2}", f"train.grad_accum={t.grad_accum * 2}"], world))

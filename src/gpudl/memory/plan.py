@@ -7,7 +7,8 @@ tensor parallelism over the processes) and activation checkpointing off and on, 
 micro-batch that fits is found by bisection over the halvings (memory grows with the
 micro-batch), so a layout costs a few traces, not one per micro-batch; with checkpointing, only
 the micro-batches larger than the plain step's largest are searched (a smaller one would only
-add recomputation to a step that already fits). The fitting candidates are ranked by predicted
+add recomputation to a step that already fits). Where none fits on an accelerator, FSDP with CPU
+offload is planned the same way (`offloaded`). The fitting candidates are ranked by predicted
 step time (`step_time.py`). Selective checkpointing is not a candidate: its cost is not predicted
 (`docs/design.md`).
 """
@@ -53,6 +54,8 @@ class Machine:
     nproc: int = 1
     nnodes: int = 1
     limit: int | None = None        # --memory-limit: what the job's tensors may hold, per device
+    host_b_s: float = 25e9          # between a device and host memory, each way (FSDP's CPU offload)
+    host_memory: int | None = None  # of a node, where known (this machine's): what CPU offload may fill
 
     @property
     def world(self) -> int:
@@ -74,7 +77,7 @@ def target_machine(target: str, nproc: int, nnodes: int = 1, limit: int | None =
     t = TARGETS[target]
     peaks = {k: v * 1e12 for k, v in datasheet_tflops(t.device).items()}
     return Machine(f"{nproc * nnodes} x {t.name}", "cuda", int(t.memory_gib * 2**30), peaks, t.link_gb_s * 1e9,
-                   nproc, nnodes, limit)
+                   nproc, nnodes, limit, t.host_gb_s * 1e9)
 
 
 def local_machine(device: str = "auto", nproc: int = 1, nnodes: int = 1, limit: int | None = None,
@@ -88,7 +91,7 @@ def local_machine(device: str = "auto", nproc: int = 1, nnodes: int = 1, limit: 
     peaks = {p: measured_peak_flops(info, p) for p in info.precisions() if p != "tf32"} if speeds else {}
     link = CPU_LINK_B_S if info.type == "cpu" else 25e9  # a link's speed is not reported: PCIe-class unless told
     return Machine(f"{nproc * nnodes} x {info.label}", info.type, info.memory_bytes or limit, peaks, link, nproc,
-                   nnodes, limit)
+                   nnodes, limit, host_memory=detect("cpu").memory_bytes)
 
 
 @dataclass
@@ -146,10 +149,14 @@ def plan(cfg: Config, machine: Machine) -> Plan:
         # FLOPs are counted with torch's FLOP counter, whose module hooks are global: not while a
         # one-process job is traced in this process's pool, but while a sharded job's workers start.
         flops = by_depth(cfg, flops_per_sample) if machine.world == 1 else None
-        planned = [pool.submit(_layout_candidates, cfg, machine, traces, strategy, parallel, result.global_batch)
-                   for strategy, parallel in options]
+        def candidates(layouts_: list[tuple[str, dict]]) -> list[Candidate]:
+            planned = [pool.submit(_layout_candidates, cfg, machine, traces, strategy, parallel, result.global_batch)
+                       for strategy, parallel in layouts_]
+            return [c for future in planned for c in future.result()]
+        result.candidates = candidates(options)
+        if not any(c.fits for c in result.candidates):  # then, and only then, pay for the host's memory
+            result.candidates += candidates(offloaded(cfg, machine, options))
         flops = flops or by_depth(cfg, flops_per_sample)
-        result.candidates = [c for future in planned for c in future.result()]
     for c in result.candidates:
         if c.fits:
             c.step_s = step_seconds(c, cfg, machine, flops, result.global_batch)
@@ -176,20 +183,46 @@ def _least_accumulation(cfg: Config, parallel: dict, machine: Machine, batch: in
     return 1 if batch % dims_of(_apply(cfg, parallel), machine.world).dp == 0 else 0
 
 
+def offloaded(cfg: Config, machine: Machine, options: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """The layouts to try when none fits on the devices alone: with FSDP's CPU offload, which keeps the
+    weights, gradients and optimizer state in host memory and runs the update there (its copies and
+    update are in the step time). The config's own layout, else FSDP over every process (over one:
+    FSDP on a group of one). None on the CPU, whose host memory is the device's."""
+    if machine.device_type == "cpu" or cfg.parallel.fsdp_cpu_offload:
+        return []
+    if _fixed_layout(cfg, machine):
+        return [(f"{strategy} · CPU offload", {**p, "parallel.fsdp_cpu_offload": True}) for strategy, p in options]
+    w = machine.world
+    return [(f"{'FSDP' if w > 1 else 'one process'} · CPU offload",
+             {"parallel.tp": 1, "parallel.pp": 1, "parallel.dp_replicate": 1, "parallel.dp_shard": w,
+              "parallel.fsdp_cpu_offload": True})]
+
+
 def _check_request(cfg: Config, machine: Machine) -> None:
     """What no plan can fix, said in one line before any trace: a layout the model cannot take, or a
-    memory below what the weights, their gradients and the optimizer state need at the most sharding."""
+    memory below what the parameters need at the most sharding: their weights, gradients and optimizer
+    state on the CPU; on an accelerator, where CPU offload keeps those in host memory, the largest
+    FSDP unit's weights gathered in the compute dtype."""
+    from ..distributed.parallelize import block_units
     from ..distributed.preflight import check_job
 
     check_job(cfg, machine.world, cfg.train.precision)
-    spec = models.resolve(cfg.model.name, cfg.model.overrides)
-    n = sum(p.numel() for p in models.build_meta(spec).parameters())
-    weight_bytes = 2 if cfg.train.precision == "bf16-true" else 4
-    least = training_state_bytes(n, weight_bytes) // machine.world  # all sharded
+    model = models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides))
+    n = sum(p.numel() for p in model.parameters())
+    if machine.device_type == "cpu":
+        least = training_state_bytes(n, 2 if cfg.train.precision == "bf16-true" else 4) // machine.world
+        what = (f"{n / 1e6:.0f}M parameters, their gradients and AdamW state take {least / 2**30:.2f} GiB per "
+                f"device even sharded over {machine.world}: use more devices or more memory")
+    else:
+        units = block_units(model)
+        in_units = {id(p) for u in units for p in u.parameters()}
+        sizes = [sum(p.numel() for p in u.parameters()) for u in units]
+        sizes.append(sum(p.numel() for p in model.parameters() if id(p) not in in_units))  # the root's own
+        least = max(sizes) * (4 if cfg.train.precision == "fp32" else 2)
+        what = (f"even with FSDP's CPU offload the largest unit's weights take {least / 2**30:.2f} GiB on the "
+                f"device: use more memory")
     if least > machine.usable:
-        raise UserError(f"{machine.usable / 2**30:.2f} GiB per device is less than the parameters alone need: "
-                        f"{n / 1e6:.0f}M parameters, their gradients and AdamW state take {least / 2**30:.2f} GiB "
-                        f"per device even sharded over {machine.world}: use more devices or more memory")
+        raise UserError(f"{machine.usable / 2**30:.2f} GiB per device is less than the parameters alone need: {what}")
 
 
 def training_state_bytes(n_params: int, param_bytes: int) -> int:
@@ -295,8 +328,11 @@ def _largest_that_fits(cfg: Config, machine: Machine, traces: FakeJobs, strategy
         c = Candidate(strategy, settings, ac, b, batch // dp // b)
         c.estimate = traces.estimate(_apply(cfg, settings))
         need = int(c.estimate.peak * (1 + MARGIN))
+        host_need = int(c.estimate.host * machine.nproc * (1 + MARGIN))  # CPU offload: every process of a node
         if need > machine.usable:
             c.rejected = f"needs {need / 2**30:.2f} GiB"  # with the margin; the table's title gives what is usable
+        elif machine.host_memory and host_need > machine.host_memory * 0.9:  # the OS and the rest keep a tenth
+            c.rejected = f"needs {host_need / 2**30:.2f} GiB of host memory of {machine.host_memory / 2**30:.0f}"
         return c
     best, tried = largest_fitting(sizes, attempt, lambda c: not c.rejected)
     best.traces = tried

@@ -50,7 +50,8 @@ def why(p: Plan) -> str:
                 f"{explain(p.cfg, p.machine.world, p.machine.usable)}")
     others = [c for c in p.candidates if c.fits and c is not w]
     beaten = f", {_faster(min(c.step_s for c in others) / w.step_s)} the next that fits" if others else ""
-    return (f"Chosen: {w.describe()}, predicted {w.estimate.peak / GiB:.2f} GiB per device and {w.step_s:.3g} s "
+    host = f" (and {w.estimate.host / GiB:.2f} GiB of host memory each)" if w.estimate.host else ""
+    return (f"Chosen: {w.describe()}, predicted {w.estimate.peak / GiB:.2f} GiB per device{host} and {w.step_s:.3g} s "
             f"a step{beaten}. Apply it: " + " ".join(f"--set {s}" for s in w.sets))
 
 
@@ -64,6 +65,7 @@ def plan_json(p: Plan) -> dict:
             "candidates": [{"layout": c.strategy, "activation_checkpointing": c.activation_checkpointing,
                             "micro_batch": c.micro_batch, "grad_accum": c.grad_accum, "sets": c.sets,
                             "parts": c.estimate.parts if c.estimate else None,
-                            "peak_bytes": c.estimate.peak if c.estimate else None, "step_s": c.step_s,
+                            "peak_bytes": c.estimate.peak if c.estimate else None,
+                            "host_bytes": c.estimate.host if c.estimate else None, "step_s": c.step_s,
                             "fits": c.fits, "rejected": c.rejected or None, "winner": c is p.winner}
                            for c in p.candidates]}

@@ -9,6 +9,11 @@ gradients once a step, 2 (n-1)/n of their bytes; FSDP all-gathers the parameters
 backward of every micro-batch and reduce-scatters the gradients once, (n-1)/n of their bytes each
 (of one stage's parameters beside a pipeline); tensor parallelism all-reduces a block's activations
 four times a micro-batch. A pipeline adds its bubble and its point-to-point sends (`pipeline.py`).
+
+FSDP's CPU offload on an accelerator adds, over the device's host link (PCIe), its copies: the
+rank's shard of the weights to the device at each all-gather (forward, and backward again when
+resharded after forward) and of the gradients to the host at each reduce-scatter (every
+micro-batch: `distributed/fsdp.py`); and the update, run on the host at HOST_UPDATE_PARAMS_S.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from .pipeline import pipeline_seconds
 ASSUMED_MFU = 0.4             # of the precision's peak, for predicted step times
 MICRO_STEP_OVERHEAD_S = 1e-3  # host time to launch a micro-step's kernels on an accelerator
 NODE_LINK_B_S = 25e9          # between nodes: 200 Gb/s InfiniBand or RoCE, each way
+# AdamW on the host (CPU offload), parameters a second: below the 1.7e9 torch's fused CPU AdamW did on
+# 2 cores of a Xeon with AVX512 (2026-12-04; a GPU server's host has more cores, a laptop's fewer)
+HOST_UPDATE_PARAMS_S = 1e9
 
 
 @dataclass(frozen=True)
@@ -60,8 +68,26 @@ def step_seconds(c, cfg: Config, machine, flops: StepFlops, batch: int) -> float
     compute = per_sample * batch / (machine.world * peak * ASSUMED_MFU)
     overhead = c.grad_accum * MICRO_STEP_OVERHEAD_S if machine.device_type != "cpu" else 0.0
     link = machine.link_b_s if machine.nnodes == 1 else min(machine.link_b_s, NODE_LINK_B_S)
-    bubble_and_sends = pipeline_seconds(with_sets(cfg, c.sets), compute, link)
-    return compute + overhead + _communication_seconds(c, cfg, machine) + bubble_and_sends
+    job = with_sets(cfg, c.sets)
+    bubble_and_sends = pipeline_seconds(job, compute, link)
+    return compute + overhead + _communication_seconds(c, cfg, machine) + bubble_and_sends + \
+        _offload_seconds(c, job, machine)
+
+
+def _offload_seconds(c, job: Config, machine) -> float:
+    """CPU offload's copies over the host link and its update on the host (the module docstring)."""
+    from .estimate import dims_of
+    from .offload import offloads_to_host
+
+    if not offloads_to_host(job):
+        return 0.0
+    spec = models.resolve(job.model.name, job.model.overrides)
+    d = dims_of(job, machine.world)
+    shard = sum(t.numel() for t in models.build_meta(spec).parameters()) / (d.dp_shard * d.tp * d.pp)
+    state_bytes = 2 if job.train.precision == "bf16-true" else 4  # the host's weights and gradients
+    gathers = 2 if job.parallel.fsdp_reshard_after_forward else 1
+    copies = c.grad_accum * (gathers + 1) * shard * state_bytes / machine.host_b_s
+    return copies + shard / HOST_UPDATE_PARAMS_S
 
 
 def _communication_seconds(c, cfg: Config, machine) -> float:

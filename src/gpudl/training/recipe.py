@@ -118,7 +118,7 @@ def _train(cfg: Config, session: Session, precision: Precision, resume, console:
     loader = DeviceLoader(data.train, session.device.torch_device, start=state.batches,
                           num_workers=cfg.data.num_workers)
     job.batches = loader
-    _announce(console, session, precision, spec, work, data, state)
+    _announce(console, session, precision, spec, work, data, state, cfg.parallel.fsdp_cpu_offload)
     ex = Execution(session, job, cfg, state, loader, work, run_dir, ckpt)
     try:
         result = execute(ex, console)
@@ -152,11 +152,14 @@ def resume_command(session: Session, run_dir: Path) -> str:
                        "--resume", str(run_dir)])
 
 
-def _announce(console, session: Session, precision: Precision, spec, work: Workload, data: Data, state) -> None:
+def _announce(console, session: Session, precision: Precision, spec, work: Workload, data: Data, state,
+              offload: bool) -> None:
     console.print(f"Precision: {precision.name} ({precision.reason})")
     console.print(f"Model: {spec.name}: {models.describe(spec)}; {work.n_params / 1e6:.2f}M parameters")
     if session.world > 1:
         console.print(f"Parallel: {session.dims.describe()} over {session.world} processes")
+    if offload:
+        console.print("FSDP CPU offload: weights, gradients and optimizer state in host memory; the update runs there")
     console.print(f"Data: {data.description}")
     if data.val is None:
         console.print(f"Evaluation: none, the data has no validation part ({data.no_val})", markup=False,

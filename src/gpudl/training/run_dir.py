@@ -98,7 +98,7 @@ def after_training(cfg: Config, spec: models.ModelSpec, model: nn.Module, ckpt: 
     wants_sample = spec.is_language_model and cfg.sample.tokens and spec.config.vocab_size >= 256
     if not (cfg.checkpoint.export or wants_sample):
         return
-    if session.world > 1:  # the weights are spread over ranks: read the whole model back from the checkpoint
+    if session.mesh is not None:  # the weights are FSDP's shards (even of one process): read the whole model back
         model = _full_model_on(spec, ckpt, torch.device("cpu"))
     if cfg.checkpoint.export:
         _export(model, spec, run_dir, console)

@@ -1,6 +1,7 @@
 """This process's place in a job: its device, the process group, and the parallel layout.
 
-A single process is the degenerate job: world 1, no process group, no mesh.
+A single process is the degenerate job: world 1, no process group, no mesh; unless it asks for
+FSDP's CPU offload (a model larger than its one device), which FSDP runs over a group of one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..config import ParallelConfig, RunConfig
 from ..device import DeviceInfo, detect
 from ..distributed.agree import broadcast_json
-from ..distributed.env import DistEnv, check_devices, die_with_agent, init_process_group, read_env
+from ..distributed.env import DistEnv, check_devices, die_with_agent, init_process_group, join_alone, read_env
 from ..distributed.mesh import ParallelDims
 from ..distributed.watch import StepWatch
 from ..device.accel import use_device
@@ -93,6 +94,8 @@ def plan_parallel(session: Session, cfg: ParallelConfig, shard: bool = False) ->
     "auto" become, FSDP (True) or DDP (False); the memory planner decides it (`memory/auto.py`)."""
     session.dims = ParallelDims.resolve(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, pp=cfg.pp,
                                         world=session.world, shard=shard)
-    if session.world > 1:
+    if session.world == 1 and cfg.fsdp_cpu_offload:  # FSDP over one process: its offload, on a group of one
+        join_alone(session.device.dist_backend)
+    if session.world > 1 or cfg.fsdp_cpu_offload:
         session.mesh, session.dp_mesh = session.dims.build_mesh(session.device.type)
     return session
