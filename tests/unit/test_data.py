@@ -139,6 +139,22 @@ def test_device_loader_hands_out_batches_in_order_on_the_device_and_counts_posit
     assert loader.position == 6
 
 
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_image_batches_travel_as_uint8_and_are_normalised_on_the_device(device, num_workers):
+    """The host gathers uint8 pixels (a quarter of the bytes to pin and copy); the device normalises
+    them with the training part's statistics: the batch that arrives is the source's own `batch(k)`."""
+    src = ImageBatches(generated_shapes(64, 16, seed=0), 8, seed=1)
+    wire = src.wire_batch(2)
+    assert wire[0].dtype == torch.uint8 and wire[0].shape == (8, 3, 16, 16)
+    loader = DeviceLoader(src, torch.device(device), start=2, num_workers=num_workers)
+    for k in (2, 3):
+        x, y = next(loader)
+        want_x, want_y = src.batch(k)  # on the host, after the loader's own use of the source
+        assert x.device.type == torch.device(device).type and x.dtype == torch.float32
+        assert torch.allclose(x.cpu(), want_x, atol=1e-6, rtol=0) and torch.equal(y.cpu(), want_y)
+    assert want_x.mean(dim=(0, 2, 3)).abs().max() < 0.5  # normalised, not raw pixels
+
+
 def test_user_data_sources():
     x, y = torch.arange(20.0).view(10, 2), torch.arange(10)
     src = as_batch_source((x, y), batch_size=4, seed=0)

@@ -107,9 +107,29 @@ def image_folder(root: Path, size: int) -> ImageSet:
 
 def normalized(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """uint8 pixels as floats (p / 255 - mean) / std, in one pass: a multiply-add straight from uint8
-    (within 1.2e-7 of the four-step formula it replaces, and 1.7x as fast: docs/performance.md). The
-    host prepares every image batch, so on a GPU this pass is what a step waits for."""
+    (within 1.2e-7 of the four-step formula it replaces, and 1.7x as fast: docs/performance.md)."""
     return torch.addcmul(-mean / std, images, 1.0 / (255.0 * std))
+
+
+class _Normalizing:
+    """An image source's two halves (`data/loader.py`): `wire_batch(k)` gathers the uint8 pixels on the
+    host, `on_device(batch)` normalises them where they arrive. A GPU's loader then pins and copies a
+    quarter of the bytes and the host makes no floats; `batch(k)` is both, on the host."""
+
+    mean: torch.Tensor
+    std: torch.Tensor
+
+    def wire_batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def on_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = batch
+        if self.mean.device != images.device:  # moved once: every batch of a run goes to one device
+            self.mean, self.std = self.mean.to(images.device), self.std.to(images.device)
+        return normalized(images, self.mean, self.std), labels
+
+    def batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.on_device(self.wire_batch(k))
 
 
 def _normalizer(data: ImageSet) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +138,7 @@ def _normalizer(data: ImageSet) -> tuple[torch.Tensor, torch.Tensor]:
     return pixels.mean(dim=(0, 2, 3), keepdim=True)[0], pixels.std(dim=(0, 2, 3), keepdim=True)[0].clamp_min(1e-3)
 
 
-class ImageBatches:
+class ImageBatches(_Normalizing):
     """Batch source: (images float (B, C, H, W) normalised per channel, labels (B,))."""
 
     def __init__(self, data: ImageSet, batch_size: int, seed: int, rank: int = 0, world: int = 1):
@@ -137,15 +157,15 @@ class ImageBatches:
             self._perm, self._perm_epoch = torch.randperm(len(self.data.labels), generator=g), epoch
         return self._perm
 
-    def batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def wire_batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         epoch, pos = divmod(k, self.per_epoch)
         glob = self.batch_size * self.world
         start = pos * glob + self.rank * self.batch_size
         idx = self._permutation(epoch)[start:start + self.batch_size]
-        return normalized(self.data.images[idx], self.mean, self.std), self.data.labels[idx]
+        return self.data.images[idx], self.data.labels[idx]
 
 
-class ImageEvalBatches:
+class ImageEvalBatches(_Normalizing):
     """An evaluation set: every image once, in order, `batches_per_pass` batches of up to `batch_size` per rank.
 
     Unlike training batches, the last one may be smaller, so a validation part smaller than one
@@ -163,8 +183,8 @@ class ImageEvalBatches:
         self.global_batch = batch_size * world
         self.batches_per_pass = -(-n // self.global_batch)
 
-    def batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def wire_batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         k %= self.batches_per_pass
         positions = torch.arange(k * self.global_batch, min(len(self.data.labels), (k + 1) * self.global_batch))
         idx = positions.tensor_split(self.world)[self.rank]
-        return normalized(self.data.images[idx], self.mean, self.std), self.data.labels[idx]
+        return self.data.images[idx], self.data.labels[idx]

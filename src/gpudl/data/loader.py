@@ -6,6 +6,10 @@ data holds: tensors in tuples, lists and dicts, nested. The loader walks k = sta
 resuming is starting at the position a checkpoint recorded. On CUDA-like devices host batches
 are pinned and copied on a side stream with `non_blocking=True`, so the copy of batch k+1
 overlaps step k.
+
+A source may split `batch(k)` in two: `wire_batch(k)`, what the host makes and the copy carries,
+and `on_device(batch)`, run where the batch arrives (on the copy's side stream): an image source
+sends uint8 pixels and normalises them on the device (`images.py`).
 """
 
 from __future__ import annotations
@@ -54,14 +58,23 @@ class BatchSource(Protocol):
     def batch(self, k: int) -> Batch: ...
 
 
+def _on_the_wire(source: BatchSource) -> Callable[[int], Batch]:
+    """What the host makes of batch k: the source's wire batch where it has one, else the batch."""
+    return getattr(source, "wire_batch", source.batch)
+
+
+def _finish_on_device(source: BatchSource) -> Callable[[Batch], Batch]:
+    return getattr(source, "on_device", None) or (lambda batch: batch)
+
+
 class _BatchNumbers(Dataset):
-    """dataset[k] is batch k of the source, so DataLoader workers can build batches in parallel."""
+    """dataset[k] is (the wire form of) batch k of the source, so DataLoader workers can build batches in parallel."""
 
     def __init__(self, source: BatchSource):
-        self.source = source
+        self.make = _on_the_wire(source)
 
     def __getitem__(self, k: int) -> Batch:
-        return self.source.batch(k)
+        return self.make(k)
 
 
 class _CountFrom(Sampler):
@@ -74,7 +87,8 @@ class _CountFrom(Sampler):
 
 def _host_batches(source: BatchSource, start: int, num_workers: int, pin: bool) -> Iterator[Batch]:
     if num_workers == 0:
-        return (source.batch(k) for k in itertools.count(start))
+        make = _on_the_wire(source)
+        return (make(k) for k in itertools.count(start))
     loader = DataLoader(_BatchNumbers(source), batch_size=None, sampler=_CountFrom(start), num_workers=num_workers,
                         pin_memory=pin, prefetch_factor=4, persistent_workers=False,
                         worker_init_fn=_leave_signals_to_the_trainer)
@@ -99,14 +113,15 @@ class DeviceLoader:
         # Copies from pinned memory on a side stream, so the next batch travels while this step computes.
         self._stream = torch.Stream(device) if overlaps_copies(device) else None
         self._host = _host_batches(source, start, num_workers, pin=self._stream is not None)
+        self._finish = _finish_on_device(source)
         self._prefetch()
 
     def _to_device(self, batch: Batch) -> Batch:
         if self._stream is None:
-            return map_tensors(lambda t: t.to(self.device), batch)
+            return self._finish(map_tensors(lambda t: t.to(self.device), batch))
         with self._stream:
-            return map_tensors(lambda t: (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True),
-                               batch)
+            return self._finish(map_tensors(
+                lambda t: (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True), batch))
 
     def _prefetch(self) -> None:
         """Start on the next batch. An error in making it waits until the loop asks for that batch:
@@ -137,5 +152,6 @@ class DeviceLoader:
 
 def first_batches(source: BatchSource, n: int, device: torch.device) -> Iterator[Batch]:
     """Batches 0..n-1 of a source on `device`: the same evaluation set every time it is asked for."""
+    make, finish = _on_the_wire(source), _finish_on_device(source)
     for k in range(n):
-        yield map_tensors(lambda t: t.to(device), source.batch(k))
+        yield finish(map_tensors(lambda t: t.to(device), make(k)))
