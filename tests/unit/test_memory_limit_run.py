@@ -76,6 +76,24 @@ def test_the_planned_run_fits_under_the_limit_it_was_planned_for(tmp_path, devic
     assert cfg.train.batch_size < 32 or cfg.train.activation_checkpointing
 
 
+def test_below_the_training_state_the_planned_run_offloads_to_the_host_and_fits(tmp_path, accelerator):
+    """A limit under the 16 bytes a parameter of fp32 training (weights, gradients, AdamW's moments):
+    no plan fits on the device alone, so the plan keeps them in host memory (FSDP's CPU offload, FSDP
+    over this one process), and the run trains under the enforced limit without running out."""
+    from gpudl import models
+
+    wide = ("model.d_model=1024", "model.n_head=8", "train.batch_size=8")  # peaks of hundreds of MiB: see ACCELERATOR
+    cfg = load_config(None, [*job(accelerator), *wide])
+    n = sum(p.numel() for p in models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides)).parameters())
+    limit = WORKSPACE_BYTES + 12 * n
+    out = run_cli("train", "--plan", "auto", "--memory-limit", f"{limit}B",
+                  *sets(accelerator, f"run.dir={tmp_path}", "run.name=offloaded", *wide), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "CPU offload" in out.stdout and records(tmp_path / "offloaded", "oom") == []
+    planned = load_config(tmp_path / "offloaded" / "config.toml")
+    assert planned.parallel.fsdp_cpu_offload and planned.train.batch_size * planned.train.grad_accum == 8
+
+
 def test_a_limit_that_is_not_a_size_is_one_line(tmp_path):
     out = run_cli("train", "--memory-limit", "twelve", *sets("cpu", f"run.dir={tmp_path}"), cwd=tmp_path)
     assert out.returncode == 2 and "train.memory_limit 'twelve' is not a size" in out.stderr
