@@ -45,8 +45,10 @@ def assert_same_training(got: dict, want: dict, tol: float = 1e-5) -> None:
 
 
 @pytest.mark.parametrize("layout", [["parallel.dp_replicate=2"], ["parallel.dp_shard=2"],
-                                    ["parallel.dp_shard=2", "parallel.fsdp_cpu_offload=true"]],
-                         ids=["ddp", "fsdp", "fsdp-cpu-offload"])
+                                    ["parallel.dp_shard=2", "parallel.fsdp_cpu_offload=true"],
+                                    # replicas with offload: FSDP2 on a (2, 1) mesh, as beside TP or PP
+                                    ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.fsdp_cpu_offload=true"]],
+                         ids=["ddp", "fsdp", "fsdp-cpu-offload", "replicas-cpu-offload"])
 def test_data_parallel_equals_one_process_on_the_full_batch(tmp_path, tmp_path_factory, device, layout):
     need_devices(device, 2)
     want = shared_reference(tmp_path_factory, 8, device)
@@ -54,6 +56,8 @@ def test_data_parallel_equals_one_process_on_the_full_batch(tmp_path, tmp_path_f
                       sets=[*layout, f"run.dir={tmp_path}/runs", "run.name=dp"])
     assert ranks[0]["losses"] == ranks[1]["losses"]  # every rank logs the job's (reduced) loss
     assert_same_training(ranks[0], want, tolerance(device))
+    if "parallel.fsdp_cpu_offload=true" in layout:
+        assert ranks[0]["shards_on"] == ["cpu"]  # FSDP's shards (DTensors), in host memory
     assert ranks[0]["summary"]["samples_per_s"] > 0
     assert ranks[0]["summary"]["device"].startswith(device if device == "cpu" else ("cuda", "rocm", device))
 
