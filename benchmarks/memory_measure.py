@@ -194,7 +194,8 @@ def _start_rank(case: Case) -> tuple:
     from gpudl.training.session import plan_parallel, start_session
 
     cfg = load_config(None, case.config_sets())
-    session = start_session(cfg.run, Console(quiet=True), cfg.parallel.timeout_s, init_method=os.environ.get(INIT_ENV))
+    session = start_session(cfg.run, Console(quiet=True), cfg.parallel.timeout_s, init_method=os.environ.get(INIT_ENV),
+                            offload=cfg.parallel.fsdp_cpu_offload)
     if session.world != case.world:
         raise RuntimeError(f"{case.title}: this process is in a job of {session.world} processes, not {case.world}")
     precision = make_precision(cfg.train.precision, session.device)

@@ -25,9 +25,13 @@ import torch.distributed as dist
 HERE = Path(__file__).parent
 
 
-def backend_for(device: str) -> str:
-    """The process-group backend for ranks on `device`: Gloo on the CPU, else torch's own for the device."""
-    return "gloo" if device == "cpu" else dist.get_default_backend_for_device(device)
+def backend_for(device: str, offload: bool = False) -> str:
+    """The process-group backend for ranks on `device`: Gloo on the CPU, else torch's own for the device,
+    with Gloo beside it for a job with FSDP's CPU offload (its gradients' norm is reduced on the host)."""
+    if device == "cpu":
+        return "gloo"
+    own = dist.get_default_backend_for_device(device)
+    return f"cpu:gloo,{device}:{own}" if offload else own
 
 
 def need_devices(device: str, world: int) -> None:
@@ -64,7 +68,7 @@ def run_ranks(body: str, world: int, tmp_path: Path, device: str = "cpu", timeou
     `alone`: one process with no rank environment and no group made for it (`gpudl train` without torchrun).
     """
     need_devices(device, world)
-    backend = backend_for(device)
+    backend = backend_for(device, offload="parallel.fsdp_cpu_offload=true" in kwargs.get("sets", []))
     kwargs["device"] = device
     tmp_path.mkdir(parents=True, exist_ok=True)
     init = tmp_path / "rendezvous"

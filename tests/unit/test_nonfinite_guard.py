@@ -81,10 +81,12 @@ def test_a_resumed_run_continues_the_counts_it_saved():
     assert (state.step, state.nonfinite_in_a_row, state.nonfinite_total) == (12, 4, 9)
 
 
-def test_the_device_guard_is_chosen_for_a_fused_optimizer_off_the_cpu():
-    net = torch.nn.Linear(2, 2)
-    fused = make_optimizer(net, OptimConfig(), "cpu")
-    plain = torch.optim.SGD(net.parameters(), lr=0.1)
-    assert isinstance(finite_guard(torch.device("cpu"), fused), HostGuard)
-    assert isinstance(finite_guard(torch.device("meta"), fused), DeviceGuard)  # any device that is not the CPU
+def test_the_device_guard_is_chosen_for_a_fused_optimizer_of_weights_off_the_cpu():
+    on_cpu, off_cpu = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta")  # meta: any device not the CPU
+    fused = make_optimizer(off_cpu, OptimConfig(), "cpu")
+    plain = torch.optim.SGD(off_cpu.parameters(), lr=0.1)
+    assert isinstance(finite_guard(torch.device("cpu"), make_optimizer(on_cpu, OptimConfig(), "cpu")), HostGuard)
+    assert isinstance(finite_guard(torch.device("meta"), fused), DeviceGuard)
     assert isinstance(finite_guard(torch.device("meta"), plain), HostGuard)    # no fused kernel to skip with
+    # a job on an accelerator whose weights live on the host (FSDP's CPU offload): the host decides
+    assert isinstance(finite_guard(torch.device("meta"), make_optimizer(on_cpu, OptimConfig(), "cpu")), HostGuard)

@@ -113,6 +113,9 @@ class DeviceGuard:
 
 
 def finite_guard(device: torch.device, optimizer: torch.optim.Optimizer) -> FiniteGuard:
-    """The device guard where it can skip on the device (an accelerator and a fused optimizer), else the host's."""
+    """The device guard where it can skip on the device (an accelerator and a fused optimizer), else the host's.
+    Where the weights are decides, not where the job runs: FSDP's CPU offload keeps them, their
+    gradients and the update on the host, whose guard reads a norm already there."""
     fused = bool(optimizer.defaults.get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False)
-    return DeviceGuard() if device.type != "cpu" and fused else HostGuard()
+    weights_on = next((p.device for group in optimizer.param_groups for p in group["params"]), device)
+    return DeviceGuard() if weights_on.type != "cpu" and fused else HostGuard()

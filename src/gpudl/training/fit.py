@@ -263,7 +263,7 @@ def fit(model: nn.Module, train_data, loss: Callable | None = None, *, max_steps
                   run={"device": device, "seed": seed}, log={"progress": progress})
     _check_trainable(model)
     console = Console(quiet=quiet)
-    session = start_session(cfg.run, console)
+    session = start_session(cfg.run, console, offload=cfg.parallel.fsdp_cpu_offload)
     console = console if session.is_writer else Console(quiet=True)
     out_dir = _new_run_dir(run_dir, session)
     prec = make_precision(cfg.train.precision, session.device)

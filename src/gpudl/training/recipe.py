@@ -93,7 +93,9 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
     2
     """
     console = console or Console()
-    session = start_session(cfg.run, console, cfg.parallel.timeout_s)
+    # the group is made before planning, and a plan may choose FSDP's CPU offload: ready for it then too
+    may_offload = cfg.parallel.fsdp_cpu_offload or cfg.train.plan == "auto"
+    session = start_session(cfg.run, console, cfg.parallel.timeout_s, offload=may_offload)
     if not session.is_writer:
         console = Console(quiet=True)
     precision = make_precision(cfg.train.precision, session.device)

@@ -69,8 +69,10 @@ class Session:
         return t / self.dp[1]
 
 
-def start_session(run: RunConfig, console: Console, timeout_s: int = 600, init_method: str | None = None) -> Session:
-    """Pick the device (one per local rank), join the job if there is one, and say so first."""
+def start_session(run: RunConfig, console: Console, timeout_s: int = 600, init_method: str | None = None,
+                  offload: bool = False) -> Session:
+    """Pick the device (one per local rank), join the job if there is one, and say so first.
+    `offload`: the job may run FSDP's CPU offload (its group then also reduces on the CPU: `group_backend`)."""
     env = read_env()
     info = detect(run.device, local_rank=env.local_rank if env else None)
     if env is not None:
@@ -78,7 +80,7 @@ def start_session(run: RunConfig, console: Console, timeout_s: int = 600, init_m
             die_with_agent()
         check_devices(env, info.type)
         use_device(info.torch_device)  # each rank on its own accelerator before the process group starts
-        init_process_group(env, info.dist_backend, timeout_s, init_method)
+        init_process_group(env, group_backend(info, offload), timeout_s, init_method)
     quiet = env is not None and env.rank != 0
     if not quiet:
         where = f" · {env.world_size} processes ({info.dist_backend})" if env else ""
@@ -89,13 +91,22 @@ def start_session(run: RunConfig, console: Console, timeout_s: int = 600, init_m
     return Session(info, env, timeout_s=timeout_s, control=control)
 
 
+def group_backend(info: DeviceInfo, offload: bool) -> str:
+    """The job's process-group backend: the device's own, and with FSDP's CPU offload on an accelerator
+    Gloo beside it for CPU tensors. Clipping reduces the gradients' norm over the default group, and
+    offloaded gradients (so their norm) live on the host, which NCCL and its peers cannot reduce."""
+    if not offload or info.dist_backend == "gloo":
+        return info.dist_backend
+    return f"cpu:gloo,{info.torch_device.type}:{info.dist_backend}"
+
+
 def plan_parallel(session: Session, cfg: ParallelConfig, shard: bool = False) -> Session:
     """Resolve the degrees for this job and build its mesh. `shard`: what data-parallel degrees left
     "auto" become, FSDP (True) or DDP (False); the memory planner decides it (`memory/auto.py`)."""
     session.dims = ParallelDims.resolve(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, pp=cfg.pp,
                                         world=session.world, shard=shard)
     if session.world == 1 and cfg.fsdp_cpu_offload:  # FSDP over one process: its offload, on a group of one
-        join_alone(session.device.dist_backend)
+        join_alone(group_backend(session.device, offload=True))
     if session.world > 1 or cfg.fsdp_cpu_offload:
         session.mesh, session.dp_mesh = session.dims.build_mesh(session.device.type)
     return session
