@@ -22,6 +22,7 @@ from gpudl.memory.plan import WORKSPACE_BYTES
 GPT = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.block_size=64", "train.precision=fp32",
        "train.max_steps=5", "train.log_every=1", "train.eval_every=0", "sample.tokens=0", "log.progress=false",
        "log.plot=false", "train.time_budget_s=0", "checkpoint.export=false", "train.attention=sdpa",
+       "train.compile=false",  # the estimates trace the eager step; compile is "auto", on for GPUs
        "run.device=cpu"]  # the CPU's limit (live bytes) on any machine
 # On an accelerator a model whose activations are hundreds of MiB: the allocator reserves memory in
 # segments of 2 and 20 MiB, which would swamp a tiny model's few MiB of peak.
