@@ -171,6 +171,41 @@ def fit_user_model(batch_size: int, parallel: dict | None = None, device: str = 
             "params": full_params(result.model)}
 
 
+class WideBlocks(torch.nn.Module):
+    """A user's module with blocks (FSDP's units), wide enough that its weights are hundreds of MiB."""
+
+    def __init__(self, width: int = 2048, depth: int = 4):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+        self.out = torch.nn.Linear(width, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + torch.nn.functional.gelu(block(x))
+        return self.out(x)
+
+
+def fit_planned_under_its_training_state(device: str = "cpu") -> dict:
+    """fit(plan="auto") of WideBlocks under a memory limit below its weights, gradients and AdamW
+    moments (12 of their 16 bytes a parameter, plus cuBLAS's workspaces): what the plan chose and ran."""
+    import torch.nn.functional as F
+
+    import gpudl
+    from gpudl.memory.plan import WORKSPACE_BYTES
+
+    _, data = user_model_and_data()
+    torch.manual_seed(0)
+    net = WideBlocks()
+    limit = WORKSPACE_BYTES + 12 * sum(p.numel() for p in net.parameters())
+    result = gpudl.fit(net, data, loss=F.cross_entropy, max_steps=6, batch_size=64, lr=1e-3, device=device,
+                       precision="fp32", log_every=1, quiet=True, plan="auto", memory_limit=limit, compile=False)
+    return {"losses": [r["loss"] for r in result.records if r["kind"] == "train"],
+            "ooms": [r for r in result.records if r["kind"] == "oom"],
+            "shards_on": sorted({p.to_local().device.type for p in result.model.parameters() if hasattr(p, "to_local")})}
+
+
 def hf_gpt2_and_data(seed: int = 0):
     """A Hugging Face GPT-2 (random init, no dropout, so runs compare) and counting sequences as a
     dict of columns: each sample is {"input_ids", "labels"}, as a Hugging Face pipeline gives it."""

@@ -25,6 +25,15 @@ def test_fit_on_two_processes_equals_one_on_the_full_batch(tmp_path, device, par
         assert torch.allclose(ranks[0]["params"][name], p.cpu(), atol=tol, rtol=0), name
 
 
+def test_fit_of_a_module_larger_than_the_device_memory_plans_cpu_offload_and_trains(tmp_path, accelerator):
+    """Under a limit below its training state, fit(plan="auto") keeps the weights, gradients and AdamW
+    state in host memory (FSDP over this one process, a group gpudl makes) and trains without running
+    out: the shards are on the host, no step ran out of memory, the loss falls."""
+    got = run_ranks("fit_planned_under_its_training_state", 1, tmp_path, accelerator, alone=True)[0]
+    assert got["shards_on"] == ["cpu"] and got["ooms"] == []
+    assert len(got["losses"]) == 6 and got["losses"][-1] < got["losses"][0]
+
+
 @pytest.mark.parametrize("parallel, data", [({}, "dataloader"), ({"dp_shard": 2}, "columns")],
                          ids=["ddp-dataloader", "fsdp-dict-columns"])
 def test_fit_of_a_hugging_face_gpt2_on_two_processes_equals_one(tmp_path, parallel, data):

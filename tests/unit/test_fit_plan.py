@@ -68,3 +68,24 @@ def test_the_planned_micro_batch_trains_under_its_limit_with_the_same_samples_pe
 def test_nothing_fitting_is_one_line():
     with pytest.raises(gpudl.UserError, match="no micro-batch of Residual fits"):
         fit(plan="auto", memory_limit="1MiB", quiet=True)
+
+
+def test_on_an_accelerator_a_module_larger_than_its_memory_is_planned_with_cpu_offload():
+    """Where no micro-batch fits on the device (here: less than the 16 bytes a parameter of fp32 weights,
+    gradients and AdamW's moments), fit's plan keeps them in host memory: FSDP's CPU offload over this one
+    process, traced on a fake group of one that is gone afterwards. Planned as for a GPU (run.device), on
+    the CPU's fake tensors; the CPU itself never offloads (one memory)."""
+    import torch.distributed as dist
+
+    from gpudl.memory.auto import _fitting_micro_batch
+
+    cfg = with_sets(_config(None, train={"precision": "fp32"}), ["train.batch_size=512", "run.device=cuda"])
+    n = sum(p.numel() for p in Residual().parameters())
+    x, y = data()
+    loss = lambda model, b: F.cross_entropy(model(b[0]), b[1])  # noqa: E731
+    chosen = _fitting_micro_batch(Residual(), loss, (x[:512], y[:512]), cfg, Session(cpu_info()), 12 * n)
+    assert chosen.get("offload") is True, chosen
+    assert "with FSDP's CPU offload" in chosen["said"] and not dist.is_initialized()
+    on_cpu = with_sets(cfg, ["run.device=cpu"])
+    refused = _fitting_micro_batch(Residual(), loss, (x[:512], y[:512]), on_cpu, Session(cpu_info()), 12 * n)
+    assert "error" in refused  # the CPU's host memory is its device's: nothing to offload to

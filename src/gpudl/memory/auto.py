@@ -88,12 +88,13 @@ def state_needs_sharding(n_params: int, param_bytes: int, session: Session, cfg:
     return training_state_bytes(n_params, param_bytes) > 0.4 * machine_here(cfg, session, speeds=False).usable
 
 
-def plan_module(module, loss_fn, example, cfg: Config, session: Session, console: Console) -> tuple[int, bool]:
-    """`fit(plan="auto")`: (micro-batch rows, activation checkpointing) for a user's module: the largest
+def plan_module(module, loss_fn, example, cfg: Config, session: Session, console: Console) -> dict:
+    """`fit(plan="auto")`: {"micro_batch", "checkpointing", "offload"} for a user's module: the largest
     halving of `cfg.train.batch_size` whose traced peak, with the margin, fits here; without
     checkpointing where one does (it costs a third more compute), else with it where the module has
-    blocks to checkpoint. One process or DDP: a user's module cannot be sent to the worker that
-    traces sharded layouts on a fake process group."""
+    blocks to checkpoint; where neither fits on an accelerator, one process, the same with FSDP's CPU
+    offload (FSDP over a group of one, traced here on a fake one). One process or DDP otherwise: a
+    user's module cannot be sent to the worker that traces sharded layouts on a fake process group."""
     d = session.dims
     if d is not None and (d.dp_shard > 1 or d.tp > 1 or d.pp > 1):
         raise UserError(f"fit(plan='auto') plans one process or DDP, not {d.describe()}: drop plan='auto' and "
@@ -105,39 +106,72 @@ def plan_module(module, loss_fn, example, cfg: Config, session: Session, console
     answer = session.agree(answer)
     if "error" in answer:
         raise UserError(answer["error"])
-    console.print(answer["said"], markup=False, soft_wrap=True)
-    return answer["micro_batch"], answer["checkpointing"]
+    console.print(answer.pop("said"), markup=False, soft_wrap=True)
+    return answer
 
 
 def _fitting_micro_batch(module, loss_fn, example, cfg: Config, session: Session, usable: int) -> dict:
     from .plan import largest_fitting
-    from .trace import trace_module
 
     rows, step_rows = cfg.train.batch_size, cfg.train.batch_size * cfg.train.grad_accum
     sizes = [rows >> k for k in range(rows.bit_length()) if rows % (1 << k) == 0]
 
-    def traced(m: int, ac: bool) -> tuple[int, int]:
-        """(micro-batch, predicted peak) of the module's step at micro-batch m."""
+    def traced(m: int, ac: bool, offload: bool) -> tuple[int, int]:
+        """(micro-batch, predicted peak on the device) of the module's step at micro-batch m."""
         sets = [f"train.batch_size={m}", f"train.grad_accum={step_rows // m}",
-                f"train.activation_checkpointing={str(ac).lower()}"]
-        return m, sum(trace_module(module, loss_fn, with_sets(cfg, sets), session, example,
-                                   ddp=session.world > 1).values())
+                f"train.activation_checkpointing={str(ac).lower()}", f"parallel.fsdp_cpu_offload={str(offload).lower()}"]
+        return m, _module_peak(module, loss_fn, example, with_sets(cfg, sets), session)
 
     def fits(found: tuple[int, int]) -> bool:
         return found[1] * (1 + MARGIN) <= usable
-    smallest = None
-    for ac in (False, True):
+    smallest, variants = None, [(False, False), (True, False)]  # (checkpointing, offload)
+    if _may_offload(cfg, session):
+        variants += [(False, True), (True, True)]
+    for ac, offload in variants:
         try:
-            (m, peak), _ = largest_fitting(sizes, lambda m: traced(m, ac), fits)
+            (m, peak), _ = largest_fitting(sizes, lambda m: traced(m, ac, offload), fits)
         except UserError:
-            break  # checkpointing a module without blocks: not a candidate
+            continue  # checkpointing a module without blocks: not a candidate
         smallest = min(peak, smallest or peak)  # when none fits: the peak of a micro-batch of one
         if fits((m, peak)):
-            how = " with activation checkpointing" if ac else ""
-            return {"micro_batch": m, "checkpointing": ac,
+            how = " with activation checkpointing" * ac + " with FSDP's CPU offload" * offload
+            return {"micro_batch": m, "checkpointing": ac, "offload": offload,
                     "said": f"Plan: micro-batch {m} x {step_rows // m}{how} · predicted peak "
                             f"{peak / 2**30:.3f} GiB per process of {usable / 2**30:.3f} GiB usable"}
     need = f"{smallest * (1 + MARGIN) / 2**30:.3f} GiB with the margin" if smallest else "more"
     return {"error": f"fit(plan='auto'): no micro-batch of {type(module).__name__} fits in {usable / 2**30:.3f} GiB "
                      f"per process (a micro-batch of one needs {need}): give more memory_limit, use "
                      f"precision='bf16-mixed', or more processes"}
+
+
+def _may_offload(cfg: Config, session: Session) -> bool:
+    """Whether FSDP's CPU offload is a candidate: one process with no group yet, on an accelerator."""
+    import torch.distributed as dist
+
+    from .offload import offloads_to_host
+
+    return session.world == 1 and not dist.is_initialized() and \
+        offloads_to_host(with_sets(cfg, ["parallel.fsdp_cpu_offload=true"]))
+
+
+def _module_peak(module, loss_fn, example, cfg: Config, session: Session) -> int:
+    """The device's predicted peak of the module's step; with CPU offload, as FSDP over one process on a
+    fake group of one made for the trace (the run makes its own real one: `training/session.py`)."""
+    from .offload import on_device
+    from .trace import trace_module
+
+    if not cfg.parallel.fsdp_cpu_offload:
+        return on_device(trace_module(module, loss_fn, cfg, session, example, ddp=session.world > 1))
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ..device import cpu_info
+    from ..distributed.env import DistEnv
+    from ..training.session import plan_parallel
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        alone = plan_parallel(Session(cpu_info(), env=DistEnv(0, 1, 0, 1)), cfg.parallel)
+        return on_device(trace_module(module, loss_fn, cfg, alone, example))
+    finally:
+        dist.destroy_process_group()

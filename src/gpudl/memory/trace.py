@@ -18,7 +18,6 @@ combined by formula (`pipeline.py`).
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import functools
 import itertools
@@ -76,10 +75,7 @@ def trace_module(module: torch.nn.Module, loss_fn, cfg: Config, session: Session
                  ddp: bool = False) -> Parts:
     """`trace_step` of a user's own module (`fit`) and its loss; the module itself is left untouched:
     the trace runs on a copy whose parameters and buffers are made on the meta device (no values copied)."""
-    meta = {id(t): torch.nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
-            if isinstance(t, torch.nn.Parameter) else torch.empty_like(t, device="meta")
-            for t in (*module.parameters(), *module.buffers())}
-    return at_peak(trace_model(copy.deepcopy(module, meta), loss_fn, cfg, session, example, ddp))
+    return at_peak(trace_model(models.meta_copy(module), loss_fn, cfg, session, example, ddp))
 
 
 def trace_model(meta: torch.nn.Module, loss_fn, cfg: Config, session: Session, example, ddp: bool) -> Phases:

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 from collections.abc import Iterable
 from contextlib import nullcontext
@@ -121,6 +123,15 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype = tor
     with _DrawForMeta(device) if only is not None else nullcontext():
         model.init_weights()
     return model.to(dtype)
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of any module (a user's too) whose parameters and buffers are on the meta device: its
+    shapes, dtypes and structure, no values copied and nothing allocated. The module is left untouched."""
+    meta = {id(t): nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+            if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta")
+            for t in (*module.parameters(), *module.buffers())}
+    return copy.deepcopy(module, meta)
 
 
 def build_meta(spec: ModelSpec) -> nn.Module:

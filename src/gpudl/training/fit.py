@@ -32,7 +32,8 @@ from ..device.peak import measured_peak_flops, peak_key
 from ..distributed.parallelize import compile_wanted
 from ..memory.auto import plan_module, state_needs_sharding
 from ..memory.limit import enforce_memory_limit
-from ..observe.flops import count_training_flops
+from .. import models
+from ..observe.flops import count_training_flops, meta_batch
 from .job import Task, build_job
 from .loop import TrainState
 from .micro import micro_batches, rows
@@ -276,12 +277,17 @@ def fit(model: nn.Module, train_data, loss: Callable | None = None, *, max_steps
 
 
 def _planned(model, loss_fn, first, cfg: Config, session: Session, console, drawing: dict) -> tuple[Config, dict]:
-    """fit(plan="auto"): the micro-batch and checkpointing the planner chose, the samples per step kept."""
-    micro, checkpointing = plan_module(model, loss_fn, first, cfg, session, console)
-    step_rows = cfg.train.batch_size * cfg.train.grad_accum
+    """fit(plan="auto"): the micro-batch, checkpointing and CPU offload the planner chose, the samples per
+    step kept. Offload makes this process FSDP over a group of one (`plan_parallel`)."""
+    chosen = plan_module(model, loss_fn, first, cfg, session, console)
+    micro, step_rows = chosen["micro_batch"], cfg.train.batch_size * cfg.train.grad_accum
     train = dataclasses.replace(cfg.train, batch_size=micro, grad_accum=step_rows // micro,
-                                activation_checkpointing=checkpointing)
-    return dataclasses.replace(cfg, train=train), {**drawing, "micro_batch": micro}
+                                activation_checkpointing=chosen["checkpointing"])
+    cfg = dataclasses.replace(cfg, train=train)
+    if chosen["offload"]:
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, fsdp_cpu_offload=True))
+        plan_parallel(session, cfg.parallel)
+    return cfg, {**drawing, "micro_batch": micro}
 
 
 def _fit(model, train_data, loss, cfg: Config, session: Session, prec, out_dir, console, limit) -> FitResult:
@@ -290,10 +296,14 @@ def _fit(model, train_data, loss, cfg: Config, session: Session, prec, out_dir, 
     loss_fn = _loss_fn(loss, model)
     if cfg.train.plan == "auto":
         cfg, drawing = _planned(model, loss_fn, first, cfg, session, console, drawing)
-    model = model.to(session.device.torch_device, prec.param_dtype)
+    # With CPU offload the weights stay on the host: FSDP moves each block to the device in turn, to shard it
+    model = model.to(prec.param_dtype) if cfg.parallel.fsdp_cpu_offload else \
+        model.to(session.device.torch_device, prec.param_dtype)
     if limit is not None:
         limit.hold(model)  # made before the limit: it counts all the same
-    work = _workload(model, loss_fn, first, rows(first), console)
+    # counted on a meta copy where the weights stay on the host (CPU offload) and the batch is on the device
+    work = _workload(models.meta_copy(model), loss_fn, meta_batch(first), rows(first), console) \
+        if cfg.parallel.fsdp_cpu_offload else _workload(model, loss_fn, first, rows(first), console)
     model.zero_grad(set_to_none=True)  # the first step's gradients are its own batch's alone
     _same_weights_everywhere(model, session)
     loader = DeviceLoader(source, session.device.torch_device)
