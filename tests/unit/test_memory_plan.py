@@ -162,6 +162,22 @@ def test_when_nothing_fits_on_the_device_the_plan_offloads_to_the_host():
     assert w.estimate.peak * 1.1 <= machine.usable and w.estimate.host == pytest.approx(16 * n, rel=0.02)
 
 
+def test_no_plan_holds_the_weights_whole_where_they_do_not_fit_before_sharding():
+    """Every layout but a pipeline makes the model's weights whole on each device before FSDP shards
+    (or offloads) them: on 8 GPUs whose memory holds a quarter of the training state's 16 bytes a
+    parameter (the shards' 2, and activations) but not the 4.4 of fp32 weights and the margin, none of
+    them is offered, and none is traced."""
+    from gpudl import models
+    from gpudl.memory.plan import WORKSPACE_BYTES
+
+    cfg = load_config(None, [*SMALL_GPT, "train.precision=fp32"])
+    n = sum(p.numel() for p in models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides)).parameters())
+    result = plan(cfg, target_machine("h100-80gb", 8, limit=WORKSPACE_BYTES + 4 * n))
+    assert result.candidates and result.winner is None
+    assert all("made whole on each device before sharding" in c.rejected and c.traces == 0 and c.estimate is None
+               for c in result.candidates)
+
+
 def test_a_pipeline_beside_fsdp_is_estimated_as_a_pipeline_of_sharded_stages():
     """PP 2 x FSDP 2 against the same pipeline alone: half the optimizer state, and at the peak (in a
     backward) more weights than the shard: the units PipelineStage keeps gathered after their backward,

@@ -166,7 +166,13 @@ def plan(cfg: Config, machine: Machine) -> Plan:
 def _layout_candidates(cfg: Config, machine: Machine, traces: FakeJobs, strategy: str, parallel: dict,
                        batch: int) -> list[Candidate]:
     """The layout's largest micro-batch that fits, without checkpointing and, where that could buy a
-    larger one, with it (it runs the blocks' forward again: otherwise not worth a trace)."""
+    larger one, with it (it runs the blocks' forward again: otherwise not worth a trace). None where the
+    model's weights, made whole on each device before FSDP shards or offloads them (`parallelize`), do
+    not fit there: a pipeline makes only its rank's stages."""
+    whole = _whole_weights_bytes(cfg)
+    if int(parallel.get("parallel.pp", 1)) == 1 and whole * (1 + MARGIN) > machine.usable:
+        return [Candidate(strategy, parallel, False, 0, 0, rejected=f"its weights, made whole on each device before "
+                                                                    f"sharding, need {whole / 2**30:.2f} GiB")]
     plain = _largest_that_fits(cfg, machine, traces, strategy, parallel, False, batch)
     if plain.fits and plain.grad_accum <= _least_accumulation(cfg, parallel, machine, batch):
         return [plain]
@@ -175,6 +181,11 @@ def _layout_candidates(cfg: Config, machine: Machine, traces: FakeJobs, strategy
     above = plain.micro_batch if plain.fits else 0
     checkpointed = _largest_that_fits(cfg, machine, traces, strategy, parallel, True, batch, above)
     return [plain] + ([checkpointed] if checkpointed else [])
+
+
+def _whole_weights_bytes(cfg: Config) -> int:
+    n = sum(p.numel() for p in models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides)).parameters())
+    return n * (2 if cfg.train.precision == "bf16-true" else 4)
 
 
 def _least_accumulation(cfg: Config, parallel: dict, machine: Machine, batch: int) -> int:
