@@ -161,7 +161,9 @@ def _announce(console, session: Session, precision: Precision, spec, work: Workl
     if session.world > 1:
         console.print(f"Parallel: {session.dims.describe()} over {session.world} processes")
     if offload:
-        console.print("FSDP CPU offload: weights, gradients and optimizer state in host memory; the update runs there")
+        here = " (on the CPU that saves nothing: its memory is the host's)" if session.device.type == "cpu" else ""
+        console.print(f"FSDP CPU offload: weights, gradients and optimizer state in host memory; the update runs "
+                      f"there{here}")
     console.print(f"Data: {data.description}")
     if data.val is None:
         console.print(f"Evaluation: none, the data has no validation part ({data.no_val})", markup=False,
