@@ -169,9 +169,13 @@ def _module_peak(module, loss_fn, example, cfg: Config, session: Session) -> int
     from ..distributed.env import DistEnv
     from ..training.session import plan_parallel
 
+    from ..data.loader import map_tensors
+
+    # traced on the CPU's fake tensors, as the trace workers do: the batch's shapes and dtypes, not its device
+    on_cpu = map_tensors(lambda t: t.to("cpu"), example)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     try:
         alone = plan_parallel(Session(cpu_info(), env=DistEnv(0, 1, 0, 1)), cfg.parallel)
-        return on_device(trace_module(module, loss_fn, cfg, alone, example))
+        return on_device(trace_module(module, loss_fn, cfg, alone, on_cpu))
     finally:
         dist.destroy_process_group()
