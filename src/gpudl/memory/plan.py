@@ -149,13 +149,10 @@ def plan(cfg: Config, machine: Machine) -> Plan:
         # FLOPs are counted with torch's FLOP counter, whose module hooks are global: not while a
         # one-process job is traced in this process's pool, but while a sharded job's workers start.
         flops = by_depth(cfg, flops_per_sample) if machine.world == 1 else None
-        def candidates(layouts_: list[tuple[str, dict]]) -> list[Candidate]:
-            planned = [pool.submit(_layout_candidates, cfg, machine, traces, strategy, parallel, result.global_batch)
-                       for strategy, parallel in layouts_]
-            return [c for future in planned for c in future.result()]
-        result.candidates = candidates(options)
+        result.candidates = _side_by_side(pool, traces, cfg, machine, options, result.global_batch)
         if not any(c.fits for c in result.candidates):  # then, and only then, pay for the host's memory
-            result.candidates += candidates(offloaded(cfg, machine, options))
+            result.candidates += _side_by_side(pool, traces, cfg, machine, offloaded(cfg, machine, options),
+                                               result.global_batch)
         flops = flops or by_depth(cfg, flops_per_sample)
     for c in result.candidates:
         if c.fits:
@@ -163,16 +160,20 @@ def plan(cfg: Config, machine: Machine) -> Plan:
     return result
 
 
+def _side_by_side(pool: ThreadPoolExecutor, traces: FakeJobs, cfg: Config, machine: Machine,
+                  options: list[tuple[str, dict]], batch: int) -> list[Candidate]:
+    """Each layout's candidates, in order: refused untraced where its weights cannot be made whole
+    (`_made_whole`), else planned in the pool, the layouts side by side."""
+    work = [_made_whole(cfg, machine, strategy, parallel)
+            or pool.submit(_layout_candidates, cfg, machine, traces, strategy, parallel, batch)
+            for strategy, parallel in options]
+    return [c for w in work for c in ([w] if isinstance(w, Candidate) else w.result())]
+
+
 def _layout_candidates(cfg: Config, machine: Machine, traces: FakeJobs, strategy: str, parallel: dict,
                        batch: int) -> list[Candidate]:
     """The layout's largest micro-batch that fits, without checkpointing and, where that could buy a
-    larger one, with it (it runs the blocks' forward again: otherwise not worth a trace). None where the
-    model's weights, made whole on each device before FSDP shards or offloads them (`parallelize`), do
-    not fit there: a pipeline makes only its rank's stages."""
-    whole = _whole_weights_bytes(cfg)
-    if int(parallel.get("parallel.pp", 1)) == 1 and whole * (1 + MARGIN) > machine.usable:
-        return [Candidate(strategy, parallel, False, 0, 0, rejected=f"its weights, made whole on each device before "
-                                                                    f"sharding, need {whole / 2**30:.2f} GiB")]
+    larger one, with it (it runs the blocks' forward again: otherwise not worth a trace)."""
     plain = _largest_that_fits(cfg, machine, traces, strategy, parallel, False, batch)
     if plain.fits and plain.grad_accum <= _least_accumulation(cfg, parallel, machine, batch):
         return [plain]
@@ -183,9 +184,18 @@ def _layout_candidates(cfg: Config, machine: Machine, traces: FakeJobs, strategy
     return [plain] + ([checkpointed] if checkpointed else [])
 
 
-def _whole_weights_bytes(cfg: Config) -> int:
+def _made_whole(cfg: Config, machine: Machine, strategy: str, parallel: dict) -> Candidate | None:
+    """The layout refused, untraced, where the model's weights, made whole on each device before FSDP
+    shards or offloads them (`parallelize`), do not fit there; None where they do (a pipeline makes
+    only its rank's stages)."""
+    if int(parallel.get("parallel.pp", 1)) > 1:
+        return None
     n = sum(p.numel() for p in models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides)).parameters())
-    return n * (2 if cfg.train.precision == "bf16-true" else 4)
+    whole = n * (2 if cfg.train.precision == "bf16-true" else 4)
+    if whole * (1 + MARGIN) <= machine.usable:
+        return None
+    return Candidate(strategy, parallel, False, 0, 0,
+                     rejected=f"its weights, made whole on each device before sharding, need {whole / 2**30:.2f} GiB")
 
 
 def _least_accumulation(cfg: Config, parallel: dict, machine: Machine, batch: int) -> int:
