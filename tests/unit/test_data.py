@@ -141,8 +141,9 @@ def test_device_loader_hands_out_batches_in_order_on_the_device_and_counts_posit
 
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_image_batches_travel_as_uint8_and_are_normalised_on_the_device(device, num_workers):
-    """The host gathers uint8 pixels (a quarter of the bytes to pin and copy); the device normalises
-    them with the training part's statistics: the batch that arrives is the source's own `batch(k)`."""
+    """On an accelerator the host gathers uint8 pixels (a quarter of the bytes to pin and copy) and the
+    device normalises them with the training part's statistics (on the CPU, with no copy to save, the
+    batch is made whole on the host): either way what arrives is the source's own `batch(k)`."""
     src = ImageBatches(generated_shapes(64, 16, seed=0), 8, seed=1)
     wire = src.wire_batch(2)
     assert wire[0].dtype == torch.uint8 and wire[0].shape == (8, 3, 16, 16)

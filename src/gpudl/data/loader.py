@@ -9,7 +9,8 @@ overlaps step k.
 
 A source may split `batch(k)` in two: `wire_batch(k)`, what the host makes and the copy carries,
 and `on_device(batch)`, run where the batch arrives (on the copy's side stream): an image source
-sends uint8 pixels and normalises them on the device (`images.py`).
+sends uint8 pixels and normalises them on the device (`images.py`). On the CPU there is no copy
+to save: the batch is made whole where batches are made (in the loader's workers, if any).
 """
 
 from __future__ import annotations
@@ -58,20 +59,19 @@ class BatchSource(Protocol):
     def batch(self, k: int) -> Batch: ...
 
 
-def _on_the_wire(source: BatchSource) -> Callable[[int], Batch]:
-    """What the host makes of batch k: the source's wire batch where it has one, else the batch."""
-    return getattr(source, "wire_batch", source.batch)
-
-
-def _finish_on_device(source: BatchSource) -> Callable[[Batch], Batch]:
-    return getattr(source, "on_device", None) or (lambda batch: batch)
+def _halves(source: BatchSource, device: torch.device) -> tuple[Callable[[int], Batch], Callable[[Batch], Batch]]:
+    """(what the host makes of batch k, what the device does to it on arrival): the source's wire batch
+    and its finish where it has them and the batch travels to an accelerator, else the batch as it is."""
+    if device.type == "cpu" or not hasattr(source, "wire_batch"):
+        return source.batch, lambda batch: batch
+    return source.wire_batch, source.on_device
 
 
 class _BatchNumbers(Dataset):
-    """dataset[k] is (the wire form of) batch k of the source, so DataLoader workers can build batches in parallel."""
+    """dataset[k] is what the host makes of batch k, so DataLoader workers can build batches in parallel."""
 
-    def __init__(self, source: BatchSource):
-        self.make = _on_the_wire(source)
+    def __init__(self, make: Callable[[int], Batch]):
+        self.make = make
 
     def __getitem__(self, k: int) -> Batch:
         return self.make(k)
@@ -85,11 +85,10 @@ class _CountFrom(Sampler):
         return itertools.count(self.start)
 
 
-def _host_batches(source: BatchSource, start: int, num_workers: int, pin: bool) -> Iterator[Batch]:
+def _host_batches(make: Callable[[int], Batch], start: int, num_workers: int, pin: bool) -> Iterator[Batch]:
     if num_workers == 0:
-        make = _on_the_wire(source)
         return (make(k) for k in itertools.count(start))
-    loader = DataLoader(_BatchNumbers(source), batch_size=None, sampler=_CountFrom(start), num_workers=num_workers,
+    loader = DataLoader(_BatchNumbers(make), batch_size=None, sampler=_CountFrom(start), num_workers=num_workers,
                         pin_memory=pin, prefetch_factor=4, persistent_workers=False,
                         worker_init_fn=_leave_signals_to_the_trainer)
     return iter(loader)
@@ -112,8 +111,8 @@ class DeviceLoader:
         self.device, self.position, self.wait_s = device, start, 0.0
         # Copies from pinned memory on a side stream, so the next batch travels while this step computes.
         self._stream = torch.Stream(device) if overlaps_copies(device) else None
-        self._host = _host_batches(source, start, num_workers, pin=self._stream is not None)
-        self._finish = _finish_on_device(source)
+        make, self._finish = _halves(source, device)
+        self._host = _host_batches(make, start, num_workers, pin=self._stream is not None)
         self._prefetch()
 
     def _to_device(self, batch: Batch) -> Batch:
@@ -152,6 +151,6 @@ class DeviceLoader:
 
 def first_batches(source: BatchSource, n: int, device: torch.device) -> Iterator[Batch]:
     """Batches 0..n-1 of a source on `device`: the same evaluation set every time it is asked for."""
-    make, finish = _on_the_wire(source), _finish_on_device(source)
+    make, finish = _halves(source, device)
     for k in range(n):
         yield finish(map_tensors(lambda t: t.to(device), make(k)))
