@@ -31,7 +31,7 @@ def cmd_info(args, console: Console) -> int:
         table = Table("preset", "description", "parameters")
         for name in models.PRESETS:
             spec = models.resolve(name)
-            n = sum(p.numel() for p in models.build_meta(spec).parameters())
+            n = models.parameter_count(spec)
             table.add_row(name, models.describe(spec), f"{n / 1e6:,.1f}M")
         console.print(table)
         return 0

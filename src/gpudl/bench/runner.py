@@ -59,7 +59,7 @@ def model_figures(plan: Plan) -> dict[str, dict]:
     for name, cfg in plan.configs.items():
         spec = plan.specs[name]
         fig = {"name": name, "preset": spec.name, "description": models.describe(spec),
-               "params": sum(p.numel() for p in models.build_meta(spec).parameters()),
+               "params": models.parameter_count(spec),
                "batch_size": cfg.train.batch_size, "flops_per_sample": None, "bytes_per_step": {}, "error": None}
         try:
             fig["flops_per_sample"] = flops_per_sample(spec, cfg)

@@ -74,9 +74,10 @@ def shard_wanted(cfg: Config, session: Session) -> bool:
             with FakeJobs(session.world) as jobs:
                 verdict = jobs.estimate(ddp).peak * (1 + MARGIN) > usable
         except UserError:
-            n = sum(t.numel() for t in models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides))
-                    .parameters())
-            verdict = state_needs_sharding(n, 2 if cfg.train.precision == "bf16-true" else 4, session, cfg)
+            from ..training.precision import param_dtype_of
+
+            n = models.parameter_count(models.resolve(cfg.model.name, cfg.model.overrides))
+            verdict = state_needs_sharding(n, param_dtype_of(cfg.train.precision).itemsize, session, cfg)
     return bool(session.agree(verdict))
 
 

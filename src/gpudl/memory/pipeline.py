@@ -46,6 +46,7 @@ import torch
 from .. import models
 from ..config import Config, ParallelConfig
 from ..distributed.pipeline import rank_stages, stage_layers
+from ..training.precision import param_dtype_of
 from .offload import on_device
 from .pipeline_trace import Parts, RankTrace, plus, trace_rank
 
@@ -210,7 +211,7 @@ def pipeline_seconds(cfg: Config, compute_s: float, link_b_s: float) -> float:
         return 0.0
     n, v = p.pp_microbatches, p.pp_stages_per_rank
     spec = models.resolve(cfg.model.name, cfg.model.overrides)
-    width = 2 if train.precision == "bf16-true" else 4  # the residual stream's dtype: the parameters'
+    width = param_dtype_of(train.precision).itemsize  # the residual stream's dtype: the parameters'
     activation = train.batch_size // n * spec.config.block_size * spec.config.d_model * width
     sends = train.grad_accum * n * v * 2 * activation
     return compute_s * (p.pp - 1) / (v * n) + sends / link_b_s

@@ -27,6 +27,7 @@ from ..config import Config, with_sets
 from ..device import DeviceInfo, detect
 from ..device.specs import TARGETS, datasheet_tflops
 from ..errors import UserError, unknown_name
+from ..training.precision import param_dtype_of
 from .depth import by_depth
 from .estimate import Estimate
 from .fake_jobs import FakeJobs
@@ -190,8 +191,8 @@ def _made_whole(cfg: Config, machine: Machine, strategy: str, parallel: dict) ->
     only its rank's stages)."""
     if int(parallel.get("parallel.pp", 1)) > 1:
         return None
-    n = sum(p.numel() for p in models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides)).parameters())
-    whole = n * (2 if cfg.train.precision == "bf16-true" else 4)
+    whole = models.parameter_count(models.resolve(cfg.model.name, cfg.model.overrides)) * \
+        param_dtype_of(cfg.train.precision).itemsize
     if whole * (1 + MARGIN) <= machine.usable:
         return None
     return Candidate(strategy, parallel, False, 0, 0,
@@ -231,7 +232,7 @@ def _check_request(cfg: Config, machine: Machine) -> None:
     model = models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides))
     n = sum(p.numel() for p in model.parameters())
     if machine.device_type == "cpu":
-        least = training_state_bytes(n, 2 if cfg.train.precision == "bf16-true" else 4) // machine.world
+        least = training_state_bytes(n, param_dtype_of(cfg.train.precision).itemsize) // machine.world
         what = (f"{n / 1e6:.0f}M parameters, their gradients and AdamW state take {least / 2**30:.2f} GiB per "
                 f"device even sharded over {machine.world}: use more devices or more memory")
     else:

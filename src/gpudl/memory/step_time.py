@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from .. import models
 from ..config import Config, with_sets
+from ..training.precision import param_dtype_of
 from .pipeline import pipeline_seconds
 
 ASSUMED_MFU = 0.4             # of the precision's peak, for predicted step times
@@ -83,8 +84,8 @@ def _offload_seconds(c, job: Config, machine) -> float:
         return 0.0
     spec = models.resolve(job.model.name, job.model.overrides)
     d = dims_of(job, machine.world)
-    shard = sum(t.numel() for t in models.build_meta(spec).parameters()) / (d.dp_shard * d.tp * d.pp)
-    state_bytes = 2 if job.train.precision == "bf16-true" else 4  # the host's weights and gradients
+    shard = models.parameter_count(spec) / (d.dp_shard * d.tp * d.pp)
+    state_bytes = param_dtype_of(job.train.precision).itemsize  # the host's weights and gradients
     gathers = 2 if job.parallel.fsdp_reshard_after_forward else 1
     copies = c.grad_accum * (gathers + 1) * shard * state_bytes / machine.host_b_s
     return copies + shard / HOST_UPDATE_PARAMS_S
@@ -92,7 +93,7 @@ def _offload_seconds(c, job: Config, machine) -> float:
 
 def _communication_seconds(c, cfg: Config, machine) -> float:
     spec = models.resolve(cfg.model.name, cfg.model.overrides)
-    n_params = sum(p.numel() for p in models.build_meta(spec).parameters())
+    n_params = models.parameter_count(spec)
     w = machine.world
     link = machine.link_b_s if machine.nnodes == 1 else min(machine.link_b_s, NODE_LINK_B_S)
     compute_bytes = 2 if cfg.train.precision.startswith(("bf16", "fp16")) else 4

@@ -125,6 +125,11 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype = tor
     return model.to(dtype)
 
 
+def parameter_count(spec: ModelSpec) -> int:
+    """How many parameters the model has (counted on the meta device: nothing allocated)."""
+    return sum(p.numel() for p in build_meta(spec).parameters())
+
+
 def meta_copy(module: nn.Module) -> nn.Module:
     """A copy of any module (a user's too) whose parameters and buffers are on the meta device: its
     shapes, dtypes and structure, no values copied and nothing allocated. The module is left untouched."""

@@ -122,6 +122,11 @@ def _cudnn_tf32(info: DeviceInfo, allow: bool) -> None:
         torch.backends.cudnn.allow_tf32 = allow
 
 
+def param_dtype_of(name: str) -> torch.dtype:
+    """The dtype a policy keeps the weights (and so their gradients) in: bf16 for bf16-true, else fp32."""
+    return torch.bfloat16 if name == "bf16-true" else torch.float32
+
+
 def make_precision(name: str, info: DeviceInfo) -> Precision:
     """The policy named `name` (or the best one for "auto") on device `info`."""
     reason = "asked for"
@@ -133,5 +138,4 @@ def make_precision(name: str, info: DeviceInfo) -> Precision:
     _cudnn_tf32(info, allow=name != "fp32")
     dtype = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "bf16-true": None}[name]
     scaler = torch.amp.GradScaler(info.type) if name == "fp16-mixed" else None
-    param_dtype = torch.bfloat16 if name == "bf16-true" else torch.float32
-    return Precision(name, info.type, dtype, param_dtype, scaler, reason)
+    return Precision(name, info.type, dtype, param_dtype_of(name), scaler, reason)
