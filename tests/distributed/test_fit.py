@@ -28,10 +28,11 @@ def test_fit_on_two_processes_equals_one_on_the_full_batch(tmp_path, device, par
 def test_fit_of_a_module_larger_than_the_device_memory_plans_cpu_offload_and_trains(tmp_path, accelerator):
     """Under a limit below its training state, fit(plan="auto") keeps the weights, gradients and AdamW
     state in host memory (FSDP over this one process, a group gpudl makes) and trains without running
-    out: the shards are on the host, no step ran out of memory, the loss falls."""
+    out: the shards are on the host, no step ran out of memory, and the losses are those of the same fit
+    with no limit, on the device alone (the update runs on the host's fused AdamW there)."""
     got = run_ranks("fit_planned_under_its_training_state", 1, tmp_path, accelerator, alone=True)[0]
     assert got["shards_on"] == ["cpu"] and got["ooms"] == []
-    assert len(got["losses"]) == 6 and got["losses"][-1] < got["losses"][0]
+    assert len(got["losses"]) == 6 and got["losses"] == pytest.approx(got["plain_losses"], abs=1e-3)
 
 
 @pytest.mark.parametrize("parallel, data", [({}, "dataloader"), ({"dp_shard": 2}, "columns")],

@@ -113,7 +113,9 @@ def vet(ckpt: Path) -> dict:
 def _all_finite(model: nn.Module, collective: bool = True) -> bool:
     """Every rank's weights are finite (one collective: each rank checks the parameters it holds)."""
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    ok = torch.stack([torch.isfinite(p.detach()).all() for p in local]).all().to(torch.int32)
+    flags = [torch.isfinite(p.detach()).all() for p in local]
+    home = flags[0].device  # weights FSDP's CPU offload keeps on the host answer there: their flags join the rest
+    ok = torch.stack([f.to(home) for f in flags]).all().to(torch.int32)
     if collective and dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok)
