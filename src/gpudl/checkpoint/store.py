@@ -17,8 +17,9 @@ import errno
 import json
 import os
 import shutil
+import threading
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -37,6 +38,9 @@ from .files import PREFIX, complete_checkpoints, manifest, verify
 from .reader import (METADATA_FILE, SafeLoadPlanner, SafeReader, UnsafeCheckpointFile, check_byte_entries,
                      check_storage_files, read_metadata_file)
 
+# What DCP warns when it saves or loads without a process group: in one process, exactly the intent.
+SINGLE_PROCESS = ".*assuming the intent is to (save|load) in a single process.*"
+
 # Optimizer state keyed by parameter name, hyperparameters too ("param_groups.<name>.lr"): ranks
 # that hold different parameters (pipeline stages) would each write a `param_groups` list of their
 # own names, of which DCP keeps one.
@@ -47,7 +51,7 @@ OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 def _single_process_ok():
     """DCP warns when it runs without a process group; in one process that is exactly the intent."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS)
         yield
 
 
@@ -154,25 +158,47 @@ class Checkpointer:
 
         Weights that are not finite are never saved (they would prune the good checkpoints), and
         a write that fails (a full disk) leaves the previous checkpoint as it was: a UserError either way.
+        (`background.py` runs the same steps, the last two on a thread of its own.)
         """
+        final, tmp = self.begin(step, model)
+        self.write(step, self.state(model, optimizer), tmp)
+        self.complete(step, tmp, final, extra)
+        return final
+
+    def begin(self, step: int, model: nn.Module) -> tuple[Path, Path]:
+        """Checkpoint `step`'s folder and its empty `.tmp` stand-in; refused for weights that are not finite."""
         final = self.folder / f"{PREFIX}{step:08d}"
         tmp = self.folder / f"{final.name}.tmp"
         if not _all_finite(model):
             raise UserError(f"the weights are not finite (NaN or Inf) at step {step}: no checkpoint written, "
                             f"{self._kept()}; lower optim.lr, or use precision=bf16-mixed or fp32")
         self._on_writer(lambda: (shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True)), step, tmp)
-        state = {"model": get_model_state_dict(model),
-                 "optim": get_optimizer_state_dict(model, optimizer, options=OPTIM_OPTIONS),
-                 f"rng_{_rank()}": _rng_state(_device_of(model))}  # a key per rank: each has its own streams
+        return final, tmp
+
+    @staticmethod
+    def state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """What DCP writes: the live tensors themselves, not copies (a save that outlives the step copies them)."""
+        return {"model": get_model_state_dict(model),
+                "optim": get_optimizer_state_dict(model, optimizer, options=OPTIM_OPTIONS),
+                f"rng_{_rank()}": _rng_state(_device_of(model))}  # a key per rank: each has its own streams
+
+    def write(self, step: int, state: dict, tmp: Path, group: dist.ProcessGroup | None = None,
+              storage_writer=None) -> None:
+        """DCP's save of `state` into `tmp`, collective over `group` (None: the default group); a failure on
+        any rank fails it on all, removes `tmp` and is a UserError."""
+        # catch_warnings swaps a process-wide filter list: only the main thread may (background.py filters once)
+        quiet = _single_process_ok() if threading.current_thread() is threading.main_thread() else nullcontext()
         try:
-            with _single_process_ok():
-                dcp.save(state, checkpoint_id=str(tmp))  # collective: a failure on one rank fails it on all
+            with quiet:
+                dcp.save(state, checkpoint_id=str(tmp), storage_writer=storage_writer, process_group=group)
         except (Exception, CheckpointException) as e:
             if self.is_writer:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise self._write_failed(step, e) from e
-        self._on_writer(lambda: self._finish(tmp, final, extra), step, tmp)
-        return final
+
+    def complete(self, step: int, tmp: Path, final: Path, extra: dict, group: dist.ProcessGroup | None = None) -> None:
+        """After every rank wrote its shards: state.json, the manifest and the rename (the writer; all learn how it went)."""
+        self._on_writer(lambda: self._finish(tmp, final, extra), step, tmp, group)
 
     def _finish(self, tmp: Path, final: Path, extra: dict) -> None:
         (tmp / "state.json").write_text(json.dumps({"model": self.fingerprint, **extra}, indent=1))
@@ -181,8 +207,8 @@ class Checkpointer:
         os.replace(tmp, final)  # the step counts from here on
         self._prune()
 
-    def _on_writer(self, write, step: int, tmp: Path) -> None:
-        """`write()` on the writer; every rank learns whether it failed (so none waits for the others)."""
+    def _on_writer(self, write, step: int, tmp: Path, group: dist.ProcessGroup | None = None) -> None:
+        """`write()` on the writer; every rank learns (over `group`) whether it failed (so none waits for the others)."""
         error = None
         if self.is_writer:
             try:
@@ -191,7 +217,7 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 error = str(self._write_failed(step, e))
         if dist.is_initialized():
-            error = broadcast_json(error)
+            error = broadcast_json(error, group)
         if error:
             raise UserError(error)
 

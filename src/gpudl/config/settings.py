@@ -18,9 +18,17 @@ from typing import Any, Literal
 from ..errors import UserError, did_you_mean
 
 
-def option(default: Any, doc: str, **limits: Any) -> Any:
-    """A config field: `default`, a one-line `doc`, and limits among ge, gt, le, choices."""
-    return dataclasses.field(default=default, metadata={"doc": doc, **limits})
+def option(default: Any, doc: str, key: str | None = None, **limits: Any) -> Any:
+    """A config field: `default`, a one-line `doc`, and limits among ge, gt, le, choices.
+
+    `key`: its name in TOML and `--set` where that name cannot be a Python name (`async`, a keyword).
+    """
+    return dataclasses.field(default=default, metadata={"doc": doc, **limits, **({"key": key} if key else {})})
+
+
+def toml_key(f: dataclasses.Field) -> str:
+    """A field's name in TOML and `--set`: its own, unless `option(key=...)` gave another."""
+    return f.metadata.get("key", f.name)
 
 
 def parse_literal(raw: str) -> Any:
@@ -133,17 +141,18 @@ def from_dict(cls: type, data: dict, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise UserError(f"[{prefix}] must be a table of settings, got {data!r}")
     hints = field_types(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {toml_key(f): f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
         where = f"{prefix}.{key}" if prefix else key
         if key not in fields:
             raise UserError(f"unknown setting {where!r}{did_you_mean(key, fields)}; [{prefix}] has: {', '.join(fields)}")
-        tp = hints[key]
+        name = fields[key].name
+        tp = hints[name]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = from_dict(tp, value, where)
+            kwargs[name] = from_dict(tp, value, where)
         else:
-            kwargs[key] = check_value(where, tp, value, dict(fields[key].metadata))
+            kwargs[name] = check_value(where, tp, value, dict(fields[key].metadata))
     return cls(**kwargs)
 
 
@@ -151,13 +160,13 @@ def to_dict(obj: Any) -> dict:
     """A dataclass tree as plain TOML-ready data (tuples become lists, None is dropped)."""
     out = {}
     for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
+        value, key = getattr(obj, f.name), toml_key(f)
         if dataclasses.is_dataclass(value):
-            out[f.name] = to_dict(value)
+            out[key] = to_dict(value)
         elif isinstance(value, dict):
-            out[f.name] = {k: v for k, v in value.items() if v is not None}
+            out[key] = {k: v for k, v in value.items() if v is not None}
         elif value is not None:
-            out[f.name] = list(value) if isinstance(value, tuple) else value
+            out[key] = list(value) if isinstance(value, tuple) else value
     return out
 
 

@@ -88,6 +88,11 @@ class CheckpointConfig:
     every: int = option(200, "save every N steps (0: only at the end)", ge=0)
     keep: int = option(2, "checkpoints to keep (the newest ones)", ge=2)
     export: bool = option(True, "write model.safetensors at the end when safetensors is installed")
+    # TOML's `async` (a Python keyword): `cfg.checkpoint.async_save` in Python.
+    async_save: bool | Literal["auto"] = option(
+        "auto", "copy the state into reused host buffers at the step and write it on a background thread while "
+                "training goes on; auto: on for accelerators when the buffers fit in the host's free memory",
+        key="async")
 
 
 @dataclass(kw_only=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoint import Checkpointer
+from ..checkpoint.background import BackgroundWriter
 from ..config import TrainConfig
 from ..data import DeviceLoader
 from ..distributed.watch import StepWatch
@@ -33,6 +34,7 @@ class Saver:
     checkpointer: Checkpointer
     job: Job
     every: int = 0
+    background: BackgroundWriter | None = None  # checkpoint.async: saves are written on a thread of their own
 
     def due(self, step: int, last: int) -> bool:
         return step == last or (self.every > 0 and step % self.every == 0)
@@ -42,7 +44,12 @@ class Saver:
         job.guard.settle(state)  # the non-finite counts a device guard keeps on the device
         extra = {"train_state": dataclasses.asdict(state), "scheduler": job.scheduler.state_dict(),
                  "scaler": job.precision.state_dict()}
-        self.checkpointer.save(state.step, job.model, job.optimizer, extra)
+        (self.background or self.checkpointer).save(state.step, job.model, job.optimizer, extra)
+
+    def check(self) -> None:
+        """A background write that failed since the last step is raised now (one process; see background.py)."""
+        if self.background is not None:
+            self.background.poll()
 
 
 @dataclass
@@ -125,6 +132,8 @@ class Monitor:
                                 f"-> {oom.halved_to}, the step runs again")
 
     def after_step(self, state: TrainState) -> None:
+        if self.saver is not None:
+            self.saver.check()
         if self.saver is not None and self.saver.due(state.step, self.train.max_steps):
             t0 = time.perf_counter()
             self._save(state)

@@ -32,7 +32,7 @@ from .job import Task, build_job, model_and_data
 from .loop import Job, OutOfMemoryAtOneRow, TrainState
 from .precision import Precision, make_precision
 from .run_dir import after_training, resolve_run_dir, restore_job
-from .runner import Execution, Workload, execute
+from .runner import Execution, Workload, background_saves, execute
 from .session import Session, plan_parallel, start_session
 
 
@@ -121,7 +121,9 @@ def _train(cfg: Config, session: Session, precision: Precision, resume, console:
                           num_workers=cfg.data.num_workers)
     job.batches = loader
     _announce(console, session, precision, spec, work, data, state, cfg.parallel.fsdp_cpu_offload)
-    ex = Execution(session, job, cfg, state, loader, work, run_dir, ckpt)
+    background, why = background_saves(cfg, session, ckpt, job)
+    console.print(f"Checkpoint saves: {'in the background' if background else 'blocking'} ({why})", markup=False)
+    ex = Execution(session, job, cfg, state, loader, work, run_dir, ckpt, background)
     try:
         result = execute(ex, console)
     except OutOfMemoryAtOneRow as e:

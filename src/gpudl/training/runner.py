@@ -14,8 +14,10 @@ import torch
 from rich.console import Console
 
 from ..checkpoint import Checkpointer
+from ..checkpoint.background import BackgroundWriter, choose, host_available_bytes, state_bytes
 from ..config import Config
 from ..data import DeviceLoader
+from ..distributed.agree import any_rank
 from ..device.peak import measured_peak_flops, peak_key
 from ..distributed.watch import is_timeout
 from ..observe.metrics import Throughput, peak_memory_bytes, reset_peak_memory
@@ -54,6 +56,7 @@ class Execution:
     work: Workload
     run_dir: Path | None = None
     checkpointer: Checkpointer | None = None
+    background: BackgroundWriter | None = None  # checkpoint.async: the checkpointer's saves finish on a thread
 
 
 @dataclass
@@ -79,11 +82,28 @@ def make_monitor(ex: Execution, console: Console, sinks: list) -> Monitor:
                             peak, world=session.world)
     progress = ConsoleProgress(console, train.max_steps, ex.state.step, ex.work.unit,
                                enabled=ex.cfg.log.progress and session.is_writer, quiet=not session.is_writer)
-    saver = Saver(ex.checkpointer, ex.job, ex.cfg.checkpoint.every) if ex.checkpointer is not None else None
+    saver = Saver(ex.checkpointer, ex.job, ex.cfg.checkpoint.every, ex.background) \
+        if ex.checkpointer is not None else None
     budget = StepBudget(ex.cfg, session, ex.job, progress, _config_writer(ex)) \
         if StepBudget.wanted(ex.cfg, ex.state) else None
     return Monitor(session=session, train=train, throughput=throughput, sinks=sinks, progress=progress,
                    loader=ex.loader, saver=saver, watch=session.watch(), budget=budget)
+
+
+def background_saves(cfg: Config, session: Session, ckpt: Checkpointer, job: Job) -> tuple[BackgroundWriter | None, str]:
+    """The writer of checkpoint.async (None: saves block the step), and why, the same on every rank."""
+    ranks_here = session.env.local_world_size if session.env is not None else 1
+    on_cpu_limit = session.device.type == "cpu" and bool(cfg.train.memory_limit)
+    on, why = choose(cfg.checkpoint.async_save, session.device.type, state_bytes(job.model, job.optimizer) * ranks_here,
+                     host_available_bytes(), on_cpu_limit)
+    if session.world > 1:  # off where any node lacks the memory
+        agreed = not any_rank(not on, session.control)
+        why = why if agreed == on else "auto: off, another node has not the host memory for the buffers"
+        on = agreed
+    if not on:
+        return None, why
+    pin = session.device.type != "cpu" and torch.accelerator.is_available()
+    return BackgroundWriter(ckpt, pin, session.timeout_s), why
 
 
 def _config_writer(ex: Execution):
@@ -107,11 +127,15 @@ def execute(ex: Execution, console: Console) -> Outcome:
             monitor.throughput.restart()
             monitor.note(ex.state.step + 1, "training step")
             train_loop(ex.job, ex.cfg.train, ex.state, monitor)
+            if ex.background is not None:  # the last save (or a stop's) is complete before anything reads it
+                ex.background.close()
     except RuntimeError as e:
         if monitor.watch is not None and is_timeout(e):
             raise monitor.watch.diagnose(e) from e
         raise
     finally:
+        if ex.background is not None:  # failing: the write in flight still lands (a checkpoint to resume from)
+            ex.background.close(raise_error=False)
         for sink in sinks:
             sink.close()
     summary = summarize(ex, monitor.records, time.perf_counter() - t0)
