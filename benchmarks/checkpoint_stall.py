@@ -90,7 +90,8 @@ def main() -> None:
                 print(f"round {r + 1} {'async' if mode else 'sync '}: {runs[mode][-1]}", flush=True)
     med = {m: {k: statistics.median(x[k] for x in runs[m]) for k in ("stall_s", "end_wait_s", "wall_s")}
            for m in runs}
-    print(f"\n{args.config} ({runs[False][0]['params_m']:.1f}M parameters) on {args.device}, torch {torch.__version__}, "
+    print(f"\n{args.config} ({runs[False][0]['params_m']:.1f}M parameters) on {args.device}, "
+          f"torch {torch.__version__}, "
           f"{args.steps} steps, a save every {args.every}, {args.rounds} rounds (medians)")
     for key in ("stall_s", "end_wait_s", "wall_s"):
         sync, asyn = med[False][key], med[True][key]

@@ -98,7 +98,7 @@ def test_a_background_save_holds_its_step_and_not_the_updates_after_it(tmp_path)
     assert not torch.equal(model[0].weight, want_model["0.weight"])
     assert ckpt.latest() is None  # not before the write is complete
     Held.gate.set()
-    writer.save(6, model, opt, {"train_state": dataclasses.asdict(TrainState(step=6))})  # waits for step 3's write first
+    writer.save(6, model, opt, {"train_state": dataclasses.asdict(TrainState(step=6))})  # after step 3's write
     assert [t.data_ptr() for _, t in _tensors(writer.stager._buffers)] == buffers  # the same buffers, reused
     writer.close()
     assert [c.name for c in complete_checkpoints(tmp_path)] == ["step_00000003", "step_00000006"]

@@ -1,6 +1,7 @@
 """Checkpoints: sharded DCP save and load that never runs code from the files, and safetensors export.
 
 store.py    Checkpointer: save (atomic, every rank its shards) and load (verified, resharded)
+background.py  saves copied at the step and written on a thread while training goes on (checkpoint.async)
 files.py    which checkpoints are complete; manifest, confinement and state.json checks
 reader.py   DCP's reader and planner with a restricted metadata unpickler and named failures
 export.py   the weights as one safetensors file

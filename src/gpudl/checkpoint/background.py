@@ -80,13 +80,10 @@ class Stager:
         return _copy_state_dict(state, self._buffers)
 
     def _check_private(self, state: dict) -> None:
-        # torch's helper keeps a 0-dim DTensor as it is, which would alias the live one: refuse that here
+        # torch's helper keeps a 0-dim DTensor as it is (gpudl's models have none): a copy that aliased the live
+        # tensor would let later updates into the files
         live = {t.untyped_storage().data_ptr() for _, t in _tensors(state) if t.numel()}
         assert not any(t.untyped_storage().data_ptr() in live for _, t in _tensors(self._buffers) if t.numel())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, t in _tensors(self._buffers or {}))
 
 
 class BackgroundWriter:

@@ -197,7 +197,7 @@ class Checkpointer:
             raise self._write_failed(step, e) from e
 
     def complete(self, step: int, tmp: Path, final: Path, extra: dict, group: dist.ProcessGroup | None = None) -> None:
-        """After every rank wrote its shards: state.json, the manifest and the rename (the writer; all learn how it went)."""
+        """Once every rank wrote its shards: state.json, manifest, rename (on the writer; all learn the outcome)."""
         self._on_writer(lambda: self._finish(tmp, final, extra), step, tmp, group)
 
     def _finish(self, tmp: Path, final: Path, extra: dict) -> None:
@@ -208,7 +208,7 @@ class Checkpointer:
         self._prune()
 
     def _on_writer(self, write, step: int, tmp: Path, group: dist.ProcessGroup | None = None) -> None:
-        """`write()` on the writer; every rank learns (over `group`) whether it failed (so none waits for the others)."""
+        """`write()` on the writer; every rank learns (over `group`) whether it failed (none waits for the others)."""
         error = None
         if self.is_writer:
             try:

@@ -90,7 +90,8 @@ def make_monitor(ex: Execution, console: Console, sinks: list) -> Monitor:
                    loader=ex.loader, saver=saver, watch=session.watch(), budget=budget)
 
 
-def background_saves(cfg: Config, session: Session, ckpt: Checkpointer, job: Job) -> tuple[BackgroundWriter | None, str]:
+def background_saves(cfg: Config, session: Session, ckpt: Checkpointer,
+                     job: Job) -> tuple[BackgroundWriter | None, str]:
     """The writer of checkpoint.async (None: saves block the step), and why, the same on every rank."""
     ranks_here = session.env.local_world_size if session.env is not None else 1
     on_cpu_limit = session.device.type == "cpu" and bool(cfg.train.memory_limit)
