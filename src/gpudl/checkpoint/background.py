@@ -79,6 +79,9 @@ class Stager:
             self._check_private(state)
         return _copy_state_dict(state, self._buffers)
 
+    def release(self) -> None:
+        self._buffers = self._layout = None
+
     def _check_private(self, state: dict) -> None:
         # torch's helper keeps a 0-dim DTensor as it is (gpudl's models have none): a copy that aliased the live
         # tensor would let later updates into the files
@@ -141,6 +144,7 @@ class BackgroundWriter:
                 raise
         finally:
             self._executor.shutdown(wait=True)
+            self.stager.release()  # the export and the sample after training want that memory
 
 
 def host_available_bytes() -> int | None:
@@ -168,20 +172,18 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return weights + (moments if optimizer.state else 2 * weights)
 
 
-def choose(asked: bool | str, device_type: str, need_bytes: int, available: int | None,
-           cpu_memory_limit: bool = False) -> tuple[bool, str]:
+def choose(asked: bool | str, device_type: str, need_bytes: int, available: int | None) -> tuple[bool, str]:
     """Whether saves run in the background, and why in words. `need_bytes`: the staging buffers of every
-    rank of this node; `cpu_memory_limit`: train.memory_limit holds on the CPU, where buffers count against it."""
+    rank of this node; `available`: the host's available memory."""
     size = f"{need_bytes / 2**30:.2f} GiB of host buffers"
     if asked is True:
         return True, f"checkpoint.async=true ({size})"
     if asked is False:
         return False, "checkpoint.async=false"
     if device_type == "cpu":
-        return False, ("auto: off on the CPU, where the write would take the cores training runs on "
-                       "(set checkpoint.async=true to have it)")
-    if cpu_memory_limit:
-        return False, "auto: off, train.memory_limit counts the host buffers"
+        # measured (benchmarks/checkpoint_stall.py, gpt2-124m): each save blocks for less, but the write
+        # shares the cores the steps run on, and the run as a whole took longer
+        return False, "auto: off on the CPU, where the write would share the cores the steps run on"
     if available is None or need_bytes > HOST_SHARE * available:
         free = "unknown" if available is None else f"{available / 2**30:.1f} GiB"
         return False, f"auto: off, {size} would not fit in half the host's available memory ({free})"
