@@ -6,7 +6,8 @@ What is timed is the loop's own view: the time `Monitor.after_step` takes at a s
 (for background saves: waiting for the previous write, then the copy into the host buffers), the
 wait for the last write at the end of the run, and the run's whole loop (`wall_s`), which also
 carries what the background write costs the steps it runs beside. The figures are medians over
-rounds and their ratios, async / blocking.
+rounds and the ratios async / blocking: of the medians, and the median of each round's own ratio
+(a round's two runs share the machine's load of the moment).
 
     python benchmarks/checkpoint_stall.py                      # gpt2-124m on the CPU, 3 rounds
     python benchmarks/checkpoint_stall.py --config gpt-1b --device cuda --set train.batch_size=4
@@ -90,13 +91,15 @@ def main() -> None:
                 print(f"round {r + 1} {'async' if mode else 'sync '}: {runs[mode][-1]}", flush=True)
     med = {m: {k: statistics.median(x[k] for x in runs[m]) for k in ("stall_s", "end_wait_s", "wall_s")}
            for m in runs}
+    # a round's two runs share the machine's load of the moment: their ratio is the steadier figure
+    pair = {k: statistics.median(a[k] / s[k] for s, a in zip(runs[False], runs[True])) for k in ("stall_s", "wall_s")}
     print(f"\n{args.config} ({runs[False][0]['params_m']:.1f}M parameters) on {args.device}, "
           f"torch {torch.__version__}, "
           f"{args.steps} steps, a save every {args.every}, {args.rounds} rounds (medians)")
     for key in ("stall_s", "end_wait_s", "wall_s"):
         sync, asyn = med[False][key], med[True][key]
-        ratio = f"{asyn / sync:.3f}" if sync else "-"
-        print(f"  {key:<11} blocking {sync:8.3f} s   background {asyn:8.3f} s   ratio {ratio}")
+        ratio = f"ratio of medians {asyn / sync:.3f}, median of the rounds' ratios {pair[key]:.3f}" if sync else ""
+        print(f"  {key:<11} blocking {sync:8.3f} s   background {asyn:8.3f} s   {ratio}")
 
 
 if __name__ == "__main__":

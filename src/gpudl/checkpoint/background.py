@@ -14,9 +14,13 @@ process raises it at the first step boundary after it failed; several ranks rais
 save or at the end, where every rank waits, so that all stop after the same step.
 
 Why not `dcp.async_save` with torch's stagers: `BlockingAsyncStager(cache_staged_state_dict=True)`
-pins its buffers unconditionally, which fails on a machine without an accelerator; `DefaultStager`
-in torch 2.11 closes its cache after every stage (torch issue 183413: no reuse, and a second stage
-fails). The state-dict utilities both stagers are built on are used directly instead.
+pins its buffers unconditionally, which fails on a machine without an accelerator ("Cannot access
+accelerator device", torch 2.13 on the CPU); `DefaultStager` in torch 2.11 closes its cache after
+every stage (torch issue 183413: no reuse, and a second stage fails). The two helpers
+BlockingAsyncStager is made of (`_create_cpu_state_dict`, `_copy_state_dict`: private, but with
+these signatures since torch 2.4) are called directly, with pinning only on an accelerator. And
+the thread is gpudl's own because what follows DCP's save (the manifest's checksums of every
+file, the rename, pruning) must leave the step too, and only after DCP's save on every rank.
 """
 
 from __future__ import annotations
