@@ -48,16 +48,16 @@ def test_the_key_is_async_in_toml_and_on_the_command_line(tmp_path):
         load_config(None, ["checkpoint.async_save=true"])
 
 
-@pytest.mark.parametrize("asked, device, need, free, on, words", [
-    ("auto", "cuda", 12 * GiB, 100 * GiB, True, "auto: on (12.00 GiB of host buffers"),
-    ("auto", "cuda", 60 * GiB, 100 * GiB, False, "would not fit in half the host's available memory (100.0 GiB)"),
-    ("auto", "cuda", 1 * GiB, None, False, "(unknown)"),
-    ("auto", "cpu", 1 * GiB, 100 * GiB, False, "off on the CPU"),
-    (True, "cpu", 60 * GiB, 100 * GiB, True, "checkpoint.async=true"),
-    (False, "cuda", 1 * GiB, 100 * GiB, False, "checkpoint.async=false"),
+@pytest.mark.parametrize("asked, need, free, limit, on, words", [
+    ("auto", 12 * GiB, 100 * GiB, False, True, "auto: on (12.00 GiB of host buffers"),
+    ("auto", 60 * GiB, 100 * GiB, False, False, "would not fit in half the host's available memory (100.0 GiB)"),
+    ("auto", 1 * GiB, None, False, False, "(unknown)"),
+    ("auto", 1 * GiB, 100 * GiB, True, False, "train.memory_limit would count the host buffers"),
+    (True, 60 * GiB, 100 * GiB, True, True, "checkpoint.async=true"),
+    (False, 1 * GiB, 100 * GiB, False, False, "checkpoint.async=false"),
 ])
-def test_auto_stages_only_on_an_accelerator_and_where_the_buffers_fit(asked, device, need, free, on, words):
-    chosen, why = choose(asked, device, need, free)
+def test_auto_stages_where_the_buffers_fit(asked, need, free, limit, on, words):
+    chosen, why = choose(asked, need, free, limit)
     assert chosen is on and words in why
 
 

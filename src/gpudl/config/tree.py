@@ -91,7 +91,7 @@ class CheckpointConfig:
     # TOML's `async` (a Python keyword): `cfg.checkpoint.async_save` in Python.
     async_save: bool | Literal["auto"] = option(
         "auto", "copy the state into reused host buffers at the step and write it on a background thread while "
-                "training goes on; auto: on for accelerators when the buffers fit in the host's free memory",
+                "training goes on; auto: on when the buffers fit in half the host's available memory",
         key="async")
 
 

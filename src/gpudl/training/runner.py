@@ -94,8 +94,9 @@ def background_saves(cfg: Config, session: Session, ckpt: Checkpointer,
                      job: Job) -> tuple[BackgroundWriter | None, str]:
     """The writer of checkpoint.async (None: saves block the step), and why, the same on every rank."""
     ranks_here = session.env.local_world_size if session.env is not None else 1
-    on, why = choose(cfg.checkpoint.async_save, session.device.type, state_bytes(job.model, job.optimizer) * ranks_here,
-                     host_available_bytes())
+    on_cpu_limit = session.device.type == "cpu" and bool(cfg.train.memory_limit)
+    on, why = choose(cfg.checkpoint.async_save, state_bytes(job.model, job.optimizer) * ranks_here,
+                     host_available_bytes(), on_cpu_limit)
     if session.world > 1:  # off where any node lacks the memory
         agreed = not any_rank(not on, session.control)
         why = why if agreed == on else "auto: off, another node has not the host memory for the buffers"
