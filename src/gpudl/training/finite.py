@@ -49,8 +49,10 @@ class FiniteGuard(Protocol):
     on_host: bool   # True: decides every step on the host, so the loop checks the counts every step
 
     def update(self, precision: Precision, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
-               state: TrainState) -> bool:
-        """The optimizer step unless the gradients are not finite; True when `optimizer.step()` ran."""
+               state: TrainState, veto: torch.Tensor | None = None) -> bool:
+        """The optimizer step unless the gradients are not finite or `veto` (a 0-dim 0/1 flag: a loss
+        spike, `spikes.py`) is set; True when `optimizer.step()` ran. A vetoed step is not counted
+        as non-finite."""
 
     def settle(self, state: TrainState) -> int:
         """Bring the counts into `state`; the longest run of non-finite steps so far."""
@@ -70,10 +72,11 @@ class HostGuard:
     _longest: int = 0
 
     def update(self, precision: Precision, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
-               state: TrainState) -> bool:
+               state: TrainState, veto: torch.Tensor | None = None) -> bool:
         finite = self.count(bool(torch.isfinite(grad_norm)), state)
-        precision.step(optimizer, finite)  # a non-finite step leaves weights and moments untouched
-        return finite
+        wanted = finite and not (veto is not None and bool(veto))
+        precision.step(optimizer, wanted)  # a skipped step leaves weights and moments untouched
+        return wanted
 
     def count(self, finite: bool, state: TrainState) -> bool:
         state.nonfinite_in_a_row = 0 if finite else state.nonfinite_in_a_row + 1
@@ -94,9 +97,9 @@ class DeviceGuard:
         self._counts: torch.Tensor | None = None   # [in a row, total, longest run], float32 on the device
 
     def update(self, precision: Precision, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
-               state: TrainState) -> bool:
+               state: TrainState, veto: torch.Tensor | None = None) -> bool:
         found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
-        precision.step_unless(optimizer, found_inf)
+        precision.step_unless(optimizer, found_inf if veto is None else torch.maximum(found_inf, veto), veto)
         if self._counts is None:  # from the state a resumed run brings
             self._counts = torch.tensor([state.nonfinite_in_a_row, state.nonfinite_total, state.nonfinite_in_a_row],
                                         dtype=torch.float32, device=found_inf.device)
