@@ -24,6 +24,7 @@ Two guards do this, one chosen per job before the loop starts (`finite_guard`):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,7 +74,7 @@ class HostGuard:
 
     def update(self, precision: Precision, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
                state: TrainState, veto: torch.Tensor | None = None) -> bool:
-        finite = self.count(bool(torch.isfinite(grad_norm)), state)
+        finite = self.count(math.isfinite(grad_norm.item()), state)  # one read; no isfinite kernel to launch first
         wanted = finite and not (veto is not None and bool(veto))
         precision.step(optimizer, wanted)  # a skipped step leaves weights and moments untouched
         return wanted
