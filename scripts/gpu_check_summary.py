@@ -155,7 +155,10 @@ def render_bench(f: dict) -> list[str]:
 
 
 def render_overhead(f: dict) -> list[str]:
-    verdict = (f"**{f['overhead_pct']:+.2f}%** (quartiles {f['quartiles_pct'][0]:+.2f}% … {f['quartiles_pct'][1]:+.2f}%)"
+    interval = f"; the median's 95% interval {f['median_interval_pct'][0]:+.2f}% … {f['median_interval_pct'][1]:+.2f}%" \
+        if "median_interval_pct" in f else ""
+    verdict = (f"**{f['overhead_pct']:+.2f}%** (quartiles {f['quartiles_pct'][0]:+.2f}% … {f['quartiles_pct'][1]:+.2f}%"
+               f"{interval})"
                if "overhead_pct" in f else
                f"median of the rounds done {fmt(f.get('overhead_pct_of_rounds_done'), '+.2f', '%')} (cut short)")
     return [f"{f['setup']}: gpudl's time over raw PyTorch's, {f['rounds']} rounds: {verdict}; "
