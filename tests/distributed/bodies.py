@@ -124,8 +124,9 @@ def train_tiny_tp(sets: list[str], device: str = "cpu") -> dict:
             "tied": model.wte.weight is model.lm_head.weight, "rank": dist.get_rank()}
 
 
-def poison_loss(rank_to_poison: int | None, step: int) -> None:
-    """Make the loss NaN at training step `step` on one rank (None: in this single process)."""
+def poison_loss(rank_to_poison: int | None, step: int, factor: float = float("nan")) -> None:
+    """Multiply the loss by `factor` (NaN: make it NaN) at training step `step` on one rank (None: in this
+    single process)."""
     from gpudl import models
 
     real = models.loss_for
@@ -138,14 +139,14 @@ def poison_loss(rank_to_poison: int | None, step: int) -> None:
             calls["n"] += batch[0].device.type != "meta"
             me = dist.get_rank() if dist.is_initialized() else None
             out = loss(model, batch)
-            return out * float("nan") if calls["n"] == step and me == rank_to_poison else out
+            return out * factor if calls["n"] == step and me == rank_to_poison else out
         return fn
 
     models.loss_for = poisoned
 
 
-def train_poisoned(sets: list[str], rank: int, step: int, device: str = "cpu") -> dict:
-    poison_loss(rank, step)
+def train_poisoned(sets: list[str], rank: int, step: int, device: str = "cpu", factor: float = float("nan")) -> dict:
+    poison_loss(rank, step, factor)
     return train_tiny(sets, device=device)
 
 
