@@ -130,6 +130,6 @@ def test_a_run_folder_that_holds_a_run_is_refused_and_left_as_it_was(tmp_path, h
     (run / held).parent.mkdir(parents=True)
     (run / held).write_text("earlier run")
     before = {p: (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns) for p in run.rglob("*")}
-    assert refused(run_dir=run) == (f"run folder {run} already holds a run: pass another run_dir=, or delete the "
-                                    f"folder to start again")
+    assert refused(run_dir=run) == (f"run folder {run} already holds a run: continue it with resume={str(run)!r}, "
+                                    f"pass another run_dir=, or delete the folder to start again")
     assert {p: (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns) for p in run.rglob("*")} == before
