@@ -133,3 +133,19 @@ def test_a_run_folder_that_holds_a_run_is_refused_and_left_as_it_was(tmp_path, h
     assert refused(run_dir=run) == (f"run folder {run} already holds a run: continue it with resume={str(run)!r}, "
                                     f"pass another run_dir=, or delete the folder to start again")
     assert {p: (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns) for p in run.rglob("*")} == before
+
+
+def test_keywords_that_need_another_are_refused():
+    assert refused(checkpoint_every=5) == "checkpoint_every=5 saves checkpoints into the run folder: pass run_dir= too"
+    assert refused(checkpoint_every=-1) == ("checkpoint_every must be an int >= 0 (0: at the end only), got -1: pass "
+                                            "checkpoint_every=<steps between checkpoints>")
+    assert refused(metrics=lambda p, t: {}) == "metrics= are computed on the validation data: pass val_data= too"
+    assert refused(resume="auto") == ("resume='auto' continues run_dir when it holds a checkpoint and starts it "
+                                      "otherwise: pass run_dir= too")
+
+
+def test_validation_data_that_can_be_read_only_once_is_refused():
+    x, y = data()
+    assert refused(val_data=((x[i:i + 8], y[i:i + 8]) for i in range(0, 64, 8))) == (
+        "the validation data, a generator, can be read only once, and every evaluation reads all of it: pass a list "
+        "of batches, a Dataset, tensors or a DataLoader")

@@ -175,3 +175,84 @@ def test_a_signal_saves_and_the_resumed_fit_is_bit_identical(tmp_path, signum):
     want, got = (torch.load(tmp_path / f"{how}.pt", weights_only=True) for how in ("whole", "resume"))
     assert got["losses"] == {s: v for s, v in want["losses"].items() if s > stopped}
     assert all(torch.equal(got["params"][k], p) for k, p in want["params"].items())
+
+
+class Other(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.fixture
+def finished(tmp_path) -> Path:
+    run = tmp_path / "run"
+    gpudl.fit(net(), train_data("list"), loss=F.cross_entropy, max_steps=2, batch_size=32, run_dir=run, **QUIET)
+    return run
+
+
+def files(folder: Path) -> dict:
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+def refused_resume(run: Path, model=None, data=None, **kwargs) -> str:
+    """fit's one line for resuming `run` so; neither the run's files nor the model's weights change."""
+    model = model if model is not None else net()
+    before, weights = files(run), [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(UserError) as e:
+        gpudl.fit(model, train_data("list") if data is None else data, loss=F.cross_entropy, max_steps=4,
+                  **{"batch_size": 32, "resume": run, **QUIET, **kwargs})
+    assert files(run) == before and all(torch.equal(a, b.detach()) for a, b in zip(weights, model.parameters()))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_a_generator_cannot_be_resumed(finished):
+    batches = train_data("list")
+    assert refused_resume(finished, data=(b for b in batches)) == (
+        "cannot resume on a generator: it cannot be read again from its start to skip the batches the run consumed; "
+        "pass the data as a list of batches, a Dataset, tensors or a DataLoader (in the run and in its resume)")
+
+
+def test_another_model_is_refused_and_what_differs_is_named(finished):
+    ckpt = finished / "checkpoints" / "step_00000002"
+    fix = "pass the model the run trained (same class and shapes), or start a new run in another run_dir"
+    assert refused_resume(finished, model=net(width=16)) == (
+        f"checkpoint {ckpt} holds another torch.nn.modules.container.Sequential: parameter '0.weight' is "
+        f"float32[32, 8] there and float32[16, 8] here: {fix}")
+    assert refused_resume(finished, model=Other()) == (
+        f"checkpoint {ckpt} holds a torch.nn.modules.container.Sequential, but fit got a "
+        f"{Other.__module__}.Other: {fix}")
+
+
+def test_a_run_without_a_checkpoint_is_refused(finished):
+    shutil.rmtree(finished / "checkpoints")
+    assert refused_resume(finished).startswith(f"nothing to resume: {finished / 'checkpoints'} holds no complete "
+                                               f"checkpoint")
+    assert refused_resume(finished.parent / "nowhere").startswith("resume='")
+
+
+def test_other_settings_than_the_run_had_are_named(finished):
+    assert refused_resume(finished, batch_size=16, seed=3) == (
+        f"fit(resume={str(finished)!r}) continues a run that had batch_size=32, seed=0, but this call has "
+        f"batch_size=16, seed=3: pass what the run had (with as many processes), or start a new run in another "
+        f"run_dir")
+
+
+def test_resume_and_another_run_dir_are_refused(finished, tmp_path):
+    assert refused_resume(finished, run_dir=tmp_path / "elsewhere") == (
+        f"resume={str(finished)!r} and run_dir={str(tmp_path / 'elsewhere')!r} name two folders: resume names the "
+        f"run it continues, and writes there; pass resume= alone")
+
+
+def test_resume_auto_starts_a_run_and_then_continues_it(tmp_path):
+    """What a script that a preemptible job reruns passes: the first time it starts, then it continues;
+    a longer max_steps extends the run."""
+    run, kw = tmp_path / "run", dict(loss=F.cross_entropy, batch_size=32, run_dir=tmp_path / "run", resume="auto",
+                                     **QUIET)
+    first = gpudl.fit(net(), train_data("tensors"), max_steps=3, **kw)
+    again = gpudl.fit(net(), train_data("tensors"), max_steps=5, **kw)
+    assert first.metrics.steps == 3 and list(losses(again)) == [4, 5] and again.metrics.steps == 5
+    assert [c.name for c in complete_checkpoints(run / "checkpoints")] == ["step_00000003", "step_00000005"]
