@@ -57,11 +57,13 @@ def resolve_fit_run(run_dir, resume, session: Session) -> FitRun:
             raise UserError("resume='auto' continues run_dir when it holds a checkpoint and starts it otherwise: "
                             "pass run_dir= too")
         folder = Path(run_dir)
-        return FitRun(folder, session.agree(bool(complete_checkpoints(folder / "checkpoints"))))
-    folder = Path(resume)
-    if run_dir is not None and Path(run_dir).resolve() != folder.resolve():
-        raise UserError(f"resume={str(resume)!r} and run_dir={str(run_dir)!r} name two folders: resume names the run "
-                        f"it continues, and writes there; pass resume= alone")
+        if not session.agree(bool(complete_checkpoints(folder / "checkpoints"))):
+            return FitRun(folder)  # a first attempt, or one that died before its first checkpoint: start over
+    else:
+        folder = Path(resume)
+        if run_dir is not None and Path(run_dir).resolve() != folder.resolve():
+            raise UserError(f"resume={str(resume)!r} and run_dir={str(run_dir)!r} name two folders: resume names the "
+                            f"run it continues, and writes there; pass resume= alone")
     problem = session.agree(_not_resumable(folder) if session.is_writer else None)
     if problem:
         raise UserError(problem)
