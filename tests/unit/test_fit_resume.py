@@ -235,10 +235,11 @@ def test_a_run_without_a_checkpoint_is_refused(finished):
 
 
 def test_other_settings_than_the_run_had_are_named(finished):
-    assert refused_resume(finished, batch_size=16, seed=3) == (
-        f"fit(resume={str(finished)!r}) continues a run that had batch_size=32, seed=0, but this call has "
-        f"batch_size=16, seed=3: pass what the run had (with as many processes), or start a new run in another "
-        f"run_dir")
+    """The run trained on a list of batches of 32 samples; tensors in batches of 16 are other data."""
+    assert refused_resume(finished, data=train_data("tensors"), batch_size=16, seed=3) == (
+        f"fit(resume={str(finished)!r}) continues a run that had batch_size=32, seed=0, data='list', but this call "
+        f"has batch_size=16, seed=3, data='dataset': pass what the run had (with as many processes), or start a new "
+        f"run in another run_dir")
 
 
 def test_resume_and_another_run_dir_are_refused(finished, tmp_path):

@@ -3,6 +3,9 @@ or any iterable of batches (a DataLoader, a list, a generator).
 
 A batch reaches the loop as a tuple (inputs..., target) or as a dict (a model's keyword
 arguments, as Hugging Face data pipelines yield them); a tensor alone is a tuple of one.
+A resumed fit starts its source at the batch the run had reached: a dataset's batch k is a pure
+function of (seed, k); an iterable is read again from its start and the batches before k skipped
+(a generator cannot be read again). Validation data is read whole at every evaluation.
 """
 
 from __future__ import annotations

@@ -277,9 +277,9 @@ def _planned(model, loss_fn, first, cfg: Config, session: Session, console, draw
 
 def _fit(user: _UserParts, cfg: Config, session: Session, prec, run: FitRun, console, limit) -> FitResult:
     torch.manual_seed(cfg.run.seed)
-    asked = {"batch_size": cfg.train.batch_size, "grad_accum": cfg.train.grad_accum}
     source, first, cfg, drawing = _data(user.train_data, cfg, session, console)
-    table = fit_table(cfg, asked, user.model, session, _data_kind(user.train_data, source))
+    # before planning, which may cut a step otherwise: what a step trains on is what a resume must repeat
+    table = fit_table(cfg, user.model, session, _data_kind(user.train_data, source))
     if run.resuming:
         _check_replayable(source)
         check_same_run(run.folder, table, session)
@@ -292,7 +292,7 @@ def _fit(user: _UserParts, cfg: Config, session: Session, prec, run: FitRun, con
         if cfg.parallel.fsdp_cpu_offload else _workload(model, loss_fn, first, rows(first), console)
     model.zero_grad(set_to_none=True)  # the first step's gradients are its own batch's alone
     _same_weights_everywhere(model, session)
-    task = Task(loss_fn, **drawing, **_evaluation(user, asked["batch_size"], session.device.torch_device))
+    task = Task(loss_fn, **drawing, **_evaluation(user, table["batch_size"], session.device.torch_device))
     job = build_job(model, cfg, session, prec, task)
     ckpt = checkpointer(run, user.fingerprint, cfg.checkpoint.keep, session)
     state = restore(ckpt, job, cfg, session) if run.resuming else TrainState()

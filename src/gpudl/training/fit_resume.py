@@ -91,9 +91,10 @@ def _not_resumable(folder: Path) -> str | None:
     return None
 
 
-def fit_table(cfg: Config, asked: dict, model: nn.Module, session: Session, data_kind: str) -> dict:
-    """The `[fit]` table of config.toml: what a resumed fit must match, and what it trained."""
-    return {"batch_size": asked["batch_size"], "grad_accum": asked["grad_accum"], "seed": cfg.run.seed,
+def fit_table(cfg: Config, model: nn.Module, session: Session, data_kind: str) -> dict:
+    """The `[fit]` table of config.toml: what a resumed fit must match (the samples per batch: fit's
+    batch_size, or what an iterable's batches hold), and what it trained."""
+    return {"batch_size": cfg.train.batch_size, "grad_accum": cfg.train.grad_accum, "seed": cfg.run.seed,
             "processes": session.dp[1], "data": data_kind, "model": module_fingerprint(model)["name"]}
 
 
