@@ -179,7 +179,8 @@ def fit(model: nn.Module, train_data, loss: Callable | None = None, *, val_data=
     Metrics go to the console, and to `run_dir` (JSONL, CSV, plot, config.toml) when given: a new
     folder, or an empty one. With a `run_dir` the run is checkpointed at the end, every
     `checkpoint_every` steps (0: at the end only), and when SIGINT or SIGTERM stops it (after the
-    step in progress; it then says how to resume). `resume=RUN_DIR` continues that run from its
+    step in progress; it then says how to resume, and returns with the signal's name as
+    `summary["stopped_by"]`). `resume=RUN_DIR` continues that run from its
     newest checkpoint, and writes there: weights, optimizer, schedule, loss scale, RNG and the data
     position, so on the CPU it trains as if never stopped. Pass the same model (class, parameter
     names, shapes and dtypes), data and batch_size, grad_accum, seed and processes (what differs is
