@@ -11,6 +11,7 @@ dropout, so the RNG must be restored too.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import signal
@@ -151,7 +152,7 @@ def test_a_signal_saves_and_the_resumed_fit_is_bit_identical(tmp_path, signum):
     (the three in processes of their own, with one thread each: the same kernels)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(here=str(Path(__file__).parent)))
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the test session's cache (conftest), one thread each
 
     def start(how: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, str(script), str(tmp_path / "run"), how, str(tmp_path / f"{how}.pt")],
