@@ -282,3 +282,33 @@ def fit_out_of_memory(batch_size: int, grad_accum: int = 1, at: int = 0, rows: i
                        device=device)
     return {"losses": [r["loss"] for r in result.records if r["kind"] == "train"],
             "ooms": [r for r in result.records if r["kind"] == "oom"]}
+
+
+def fit_resumable(run_dir: str, model: str = "user", data: str = "tensors", resume: bool = False, max_steps: int = 9,
+                  checkpoint_every: int = 3, parallel: dict | None = None, device: str = "cpu") -> dict:
+    """fit of the user module or the Hugging Face GPT-2, into `run_dir` with checkpoints (or resumed from it),
+    with validation data: its losses, evaluations and final weights on rank 0. `data`: the tensors (a dict of
+    columns for GPT-2), or a DataLoader over them that shuffles with a generator of its own."""
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import gpudl
+    from gpudl.config import ParallelConfig
+
+    if model == "user":
+        net, (x, y) = user_model_and_data()
+        train, val, kw = (x[:384], y[:384]), (x[384:], y[384:]), {"loss": F.cross_entropy, "lr": 1e-2}
+        if data == "dataloader":
+            train = DataLoader(TensorDataset(*train), batch_size=16, shuffle=True,
+                               generator=torch.Generator().manual_seed(5))
+    else:
+        net, columns = hf_gpt2_and_data()
+        train = {k: v[:192] for k, v in columns.items()}
+        val, kw = {k: v[192:] for k, v in columns.items()}, {"lr": 3e-3}
+    result = gpudl.fit(net, train, val_data=val, max_steps=max_steps, batch_size=16, precision="fp32", log_every=1,
+                       eval_every=4, quiet=True, checkpoint_every=checkpoint_every, device=device,
+                       parallel=ParallelConfig(**(parallel or {})), **({"resume": run_dir} if resume else
+                                                                       {"run_dir": run_dir}), **kw)
+    return {"losses": {r["step"]: r["loss"] for r in result.records if r["kind"] == "train"},
+            "evals": [r for r in result.records if r["kind"] == "eval"],
+            "params": full_params(result.model), "steps": result.metrics.steps}

@@ -160,11 +160,11 @@ def evaluate(job: Job) -> dict[str, float]:
     sums: dict[str, torch.Tensor] = {}
     n = 0
     for batch in job.eval_batches():
-        rows = len(batch[0])  # a finite evaluation set's last batch may be smaller: weigh by rows
+        n_rows = rows(batch)  # a finite evaluation set's last batch may be smaller: weigh by rows (dicts too)
         with job.precision.autocast():
             for key, value in job.eval_fn(job.model, batch).items():
-                sums[key] = sums.get(key, 0) + value.detach().float() * rows
-        n += rows
+                sums[key] = sums.get(key, 0) + value.detach().float() * n_rows
+        n += n_rows
     job.model.train()
     return {k: float(v) / max(n, 1) for k, v in sums.items()}
 
