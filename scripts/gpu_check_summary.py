@@ -35,6 +35,8 @@ PHASES = [
     ("resnet50", "ResNet-50, bf16-mixed, channels-last, 224 px", read.bench),
     ("gpt-1b", "GPT 1B (gpt-1b), bf16-mixed", read.bench),
     ("overhead", "gpudl's loop against a raw PyTorch loop (benchmarks/overhead.py)", read.overhead),
+    ("overhead-tiny", "the same on gpt-tiny, whose steps are short enough for the loop's own work to show",
+     read.overhead),
     ("peers-identical", "gpudl, raw PyTorch, Fabric, Accelerate at identical settings (benchmarks/peers.py)",
      read.peers),
     ("peers-defaults", "the same, each with its own defaults (benchmarks/peers.py)", read.peers),
