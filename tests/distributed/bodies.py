@@ -6,6 +6,8 @@ helper.run_ranks passes it); a test also calls a body in its own process, as the
 
 from __future__ import annotations
 
+import io
+
 import torch
 import torch.distributed as dist
 from rich.console import Console
@@ -339,11 +341,13 @@ def resume_on_this_world(sets: list[str], resume: str | None = None, weights_onl
         return restored
 
     recipe.restore_job = restore_and_look
+    printed = io.StringIO()
     try:
-        result = recipe.train(load_config(None, on(device, sets)), resume=resume, console=Console(quiet=True))
+        result = recipe.train(load_config(None, on(device, sets)), resume=resume,
+                              console=Console(file=printed, width=400))
     finally:
         recipe.restore_job = real
-    return {**out, **_full_state(result.model, result.optimizer), "rank": _rank_or_0(),
+    return {**out, **_full_state(result.model, result.optimizer), "rank": _rank_or_0(), "printed": printed.getvalue(),
             "losses": {r["step"]: r["loss"] for r in result.records if r["kind"] == "train"}}
 
 

@@ -91,8 +91,11 @@ def check_chain(tmp_path, worlds: list[int], layout: str) -> None:
             same_state(before, got["restored"])
             if "weights_only" in got:
                 assert all(torch.equal(got["weights_only"][k], v) for k, v in before["params"].items())
-            if "rngs" in got and worlds[i - 1] != world:
+            if "rngs" in got:
                 assert all(torch.equal(rng, reseeded(r, 2 * i)) for r, rng in enumerate(got["rngs"]))
+            saved_by = f"{worlds[i - 1]} process{'es' if worlds[i - 1] > 1 else ''}"
+            assert got["printed"].count(f"The checkpoint was saved by {saved_by} and resumes on {world}: random "
+                                        f"streams (dropout) are re-seeded") == 1, got["printed"]
         steps = range(2 * i + 1, 2 * i + 3)
         assert sorted(got["losses"]) == list(steps), f"segment {i} on {world} processes"
         for s in steps:

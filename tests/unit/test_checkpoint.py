@@ -9,6 +9,7 @@ from rich.console import Console
 
 from gpudl.checkpoint.reader import SafeLoadPlanner
 from gpudl.checkpoint import complete_checkpoints
+from gpudl.checkpoint.files import manifest
 from gpudl.errors import UserError
 from gpudl.training.recipe import train
 
@@ -21,16 +22,29 @@ def losses(records):
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
-def test_resume_is_bit_identical_to_an_uninterrupted_run(tiny, device):
+def rewrite_state(ckpt, change) -> None:
+    """Change a checkpoint's state.json as gpudl would have written it (its manifest made to match)."""
+    state = json.loads((ckpt / "state.json").read_text())
+    change(state)
+    (ckpt / "state.json").write_text(json.dumps(state))
+    (ckpt / "manifest.json").write_text(json.dumps(manifest(ckpt)))
+
+
+@pytest.mark.parametrize("written_by", ["now", "before world_size"])
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tiny, device, written_by):
     """On the CPU, bit for bit. An accelerator's kernels may sum in a different order from one run to the
     next (atomics in the embedding's backward, say): there the resumed run must match within 1e-4 here,
-    and bit for bit under torch.use_deterministic_algorithms (tests/accelerator)."""
+    and bit for bit under torch.use_deterministic_algorithms (tests/accelerator). A checkpoint written
+    before state.json recorded the saving world size restores its RNG states too (dropout is on)."""
     on = f"run.device={device}"
     full = train(tiny(*RESUMABLE, on, "run.name=full"), console=QUIET)
     cut = train(tiny(*RESUMABLE, on, "run.name=cut"), console=QUIET)
     ckpts = complete_checkpoints(cut.run_dir / "checkpoints")
     assert [c.name for c in ckpts] == ["step_00000006", "step_00000012"]
     shutil.rmtree(ckpts[-1])  # as if the run had died after step 6's checkpoint
+    assert json.loads((ckpts[0] / "state.json").read_text())["world_size"] == 1
+    if written_by != "now":
+        rewrite_state(ckpts[0], lambda state: state.pop("world_size"))
     resumed = train(tiny(*RESUMABLE, on, "run.name=cut"), resume=cut.run_dir, console=QUIET)
     want = {s: v for s, v in losses(full.records).items() if s > 6}
     params = list(zip(full.model.parameters(), resumed.model.parameters()))
@@ -85,6 +99,14 @@ def test_a_damaged_checkpoint_is_refused_and_left_alone(tiny, finished, damage, 
     with pytest.raises(UserError, match=f"checkpoint .*step_00000004 is damaged .*{words}"):
         train(tiny("run.name=done", "train.max_steps=6"), resume=finished.run_dir, console=QUIET)
     assert sorted(p.name for p in finished.run_dir.rglob("*")) == files_before
+
+
+def test_a_world_size_that_its_rng_states_contradict_is_refused(tiny, finished):
+    newest = complete_checkpoints(finished.run_dir / "checkpoints")[-1]
+    rewrite_state(newest, lambda state: state.update(world_size=2))
+    with pytest.raises(UserError, match=r"is damaged \(state.json says 2 processes saved it, but it holds the RNG "
+                                        r"states of ranks \[0\]\)"):
+        train(tiny("run.name=done", "train.max_steps=6"), resume=finished.run_dir, console=QUIET)
 
 
 def test_a_checkpoint_of_another_model_is_refused(tiny, finished):
