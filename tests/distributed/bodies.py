@@ -368,3 +368,13 @@ def resume_with_a_late_rank(sets: list[str], resume: str, late_rank: int, second
 
     store._dcp_load = late
     return train_tiny(sets, resume=resume, device=device)
+
+
+def join_late(sets: list[str], late_rank: int, seconds: float, device: str = "cpu") -> dict:
+    """Train, joining the job through gpudl's rendezvous, but `seconds` late on `late_rank`."""
+    import os
+    import time
+
+    if int(os.environ["RANK"]) == late_rank:
+        time.sleep(seconds)
+    return train_tiny(sets, device=device)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from helper import run_ranks
+from helper import gpudl_joins, run_ranks
 
 
 def test_a_stalled_rank_is_named_within_the_timeout(tmp_path):
@@ -32,7 +32,7 @@ def test_a_rank_late_for_the_checkpoint_load_is_named_within_the_timeout(tmp_pat
     resume_on_this_world(segment_sets(tmp_path, 1, 2, "parallel.dp_replicate"))  # the checkpoint, by one process
     t0 = time.monotonic()
     ranks = run_ranks("resume_with_a_late_rank", 2, tmp_path / "late", expect_failure=True, timeout=120,
-                      env={"GPUDL_TEST_TIMEOUT_S": "10"}, resume=f"{tmp_path}/runs/cut", late_rank=1, seconds=90,
+                      env=gpudl_joins(), resume=f"{tmp_path}/runs/cut", late_rank=1, seconds=90,
                       sets=[*segment_sets(tmp_path, 2, 4, "parallel.dp_replicate"), "parallel.timeout_s=10"])
     elapsed = time.monotonic() - t0
     code, out = ranks[0]
@@ -41,3 +41,16 @@ def test_a_rank_late_for_the_checkpoint_load_is_named_within_the_timeout(tmp_pat
     assert "rank 1 never arrived (last in the checkpoint load" in out
     assert "damaged" not in out and "incompatible" not in out
     assert elapsed < 10 + 30 + 15  # the timeout, the 30 s the error may take, process start-up
+
+
+def test_a_rank_that_never_joins_is_named_within_the_timeout(tmp_path):
+    """The rendezvous is held to parallel.timeout_s too, and says which rank is missing (torch's says how many)."""
+    t0 = time.monotonic()
+    ranks = run_ranks("join_late", 2, tmp_path, expect_failure=True, timeout=120, env=gpudl_joins(),
+                      sets=["parallel.dp_replicate=2", "parallel.timeout_s=10", f"run.dir={tmp_path}/runs",
+                            "run.name=late"], late_rank=1, seconds=90)
+    elapsed = time.monotonic() - t0
+    code, out = ranks[0]
+    assert code != 0
+    assert "the rendezvous (check-in on the job's store) timed out after 10 s on rank 0: rank 1 never arrived" in out
+    assert elapsed < 10 + 30  # the timeout, process start-up, the helper's 5 s for the other ranks
