@@ -15,8 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bodies import TINY, resume_on_this_world
+from rich.console import Console
+
+from bodies import on, resume_on_this_world
 from gpudl.checkpoint.streams import derived_seed
+from gpudl.config import load_config
+from gpudl.training.recipe import train
 from helper import run_ranks, tolerance
 
 GLOBAL_BATCH = 8
@@ -26,11 +30,16 @@ SEED = 7
 SCHEDULE = ["optim.warmup_steps=4", "optim.min_lr_ratio=1.0"]
 
 
-def segment_sets(tmp_path, world: int, steps: int, layout: str | None) -> list[str]:
+def run_sets(world: int, steps: int) -> list[str]:
+    """What every run here shares, at `world` processes' share of the global batch, stopping at `steps`."""
+    return [f"run.seed={SEED}", *SCHEDULE, "train.eval_every=0", f"train.max_steps={steps}",
+            f"train.batch_size={GLOBAL_BATCH // world}"]
+
+
+def segment_sets(tmp_path, world: int, steps: int, layout: str) -> list[str]:
     """One segment's settings: `steps` is where it stops; `layout` the data-parallel degree's key."""
-    return [f"run.dir={tmp_path}/runs", "run.name=cut", f"run.seed={SEED}", *SCHEDULE, "checkpoint.every=2", "checkpoint.export=false",
-            "train.eval_every=0", f"train.max_steps={steps}", f"train.batch_size={GLOBAL_BATCH // world}",
-            *([f"{layout}={world}"] if world > 1 else [])]
+    return [*run_sets(world, steps), f"run.dir={tmp_path}/runs", "run.name=cut", "checkpoint.every=2",
+            "checkpoint.export=false", *([f"{layout}={world}"] if world > 1 else [])]
 
 
 def segment(tmp_path, world: int, steps: int, layout: str, first: bool = False) -> dict:
@@ -48,14 +57,8 @@ def segment(tmp_path, world: int, steps: int, layout: str, first: bool = False) 
 
 
 def uninterrupted(tmp_path, steps: int) -> dict:
-    from bodies import on
-    from gpudl.config import load_config
-    from gpudl.training.recipe import train
-    from rich.console import Console
-
-    result = train(load_config(None, on("cpu", [f"run.dir={tmp_path}/ref", "run.name=ref", f"run.seed={SEED}",
-                                                *SCHEDULE, "train.eval_every=0",
-                                                f"train.max_steps={steps}", f"train.batch_size={GLOBAL_BATCH}"])),
+    """One process training all `steps` on the global batch: what every segmented run must reproduce."""
+    result = train(load_config(None, on("cpu", [*run_sets(1, steps), f"run.dir={tmp_path}/ref", "run.name=ref"])),
                    console=Console(quiet=True))
     return {"losses": {r["step"]: r["loss"] for r in result.records if r["kind"] == "train"},
             "params": {k: v.detach() for k, v in result.model.state_dict().items()}}

@@ -6,7 +6,8 @@ each rank writing its own shards, and each rank's RNG states), `state.json` (loo
 schedule, loss scale, which model) and, written last, `manifest.json`. Everything is first
 written to a `.tmp` folder that rank 0 renames into place once every rank has finished, so a
 crash during a save leaves the previous checkpoint in use. Parameter names are those of the
-whole model on every layout, so a checkpoint saved by 4 ranks loads on 2 or 1 (DCP reshards).
+whole model on every layout, so a checkpoint saved by 4 ranks loads on 2 or 1, and one saved by 1
+on 2 or 4 (DCP reshards; RNG states as `streams.py` says).
 Loading never runs code from the files (see `reader.py`).
 """
 
@@ -95,10 +96,11 @@ def _refusal(ckpt: Path, e: BaseException) -> UserError:
                      f"it was written by an incompatible version or is damaged")
 
 
-def _collective_failed(e: BaseException) -> bool:
-    """The load's communication failed (a timeout, a rank gone), not the reading of a file: never the files' fault."""
+def _collective_failure(e: BaseException) -> BaseException | None:
+    """The failure of the load's communication (a timeout, a rank gone) in `e`, if that is what failed, rather
+    than the reading of a file: never the files' fault."""
     failures = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
-    return any(isinstance(exc, dist.DistError) or is_timeout(exc) for exc in failures)
+    return next((exc for exc in failures if isinstance(exc, dist.DistError) or is_timeout(exc)), None)
 
 
 def _dcp_load(sd: dict, ckpt: Path, partial: bool, no_dist: bool) -> None:
@@ -107,8 +109,11 @@ def _dcp_load(sd: dict, ckpt: Path, partial: bool, no_dist: bool) -> None:
             dcp.load(sd, storage_reader=SafeReader(ckpt), planner=SafeLoadPlanner(allow_partial_load=partial),
                      no_dist=no_dist)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        if _collective_failed(e):
+        failure = _collective_failure(e)
+        if failure is e:
             raise  # the caller's watch names the collective and the late rank
+        if failure is not None:
+            raise failure from e  # unwrapped from DCP's gathered failures, for the same watch
         raise _refusal(ckpt, e) from e
 
 
@@ -194,7 +199,8 @@ class Checkpointer:
         return final
 
     def _finish(self, tmp: Path, final: Path, extra: dict) -> None:
-        (tmp / "state.json").write_text(json.dumps({"model": self.fingerprint, "world_size": _world(), **extra}, indent=1))
+        (tmp / "state.json").write_text(json.dumps({"model": self.fingerprint, "world_size": _world(), **extra},
+                                                   indent=1))
         (tmp / "manifest.json").write_text(json.dumps(manifest(tmp), indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # the step counts from here on

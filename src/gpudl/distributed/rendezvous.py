@@ -26,7 +26,7 @@ def tcp_store(host: str, port: int, rank: int, world: int, timeout_s: int) -> di
                              wait_for_workers=False)
     except (RuntimeError, ValueError) as e:  # DistNetworkError / DistStoreError are RuntimeErrors
         who = "could not host" if rank == 0 else "could not reach"
-        late = "" if rank == 0 else f"; rank 0, which hosts it, never arrived or the address is wrong"
+        late = "" if rank == 0 else "; rank 0, which hosts it, never arrived or the address is wrong"
         raise UserError(f"rank {rank} of {world} {who} the rendezvous at {host}:{port} within {timeout_s} s "
                         f"({str(e).splitlines()[0]}){late}: check that every node can reach it, or raise "
                         f"--set parallel.timeout_s") from e

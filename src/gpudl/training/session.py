@@ -47,7 +47,8 @@ class Session:
         return self._watch
 
     def during(self, phase: str, collective: str | None = None):
-        """A start-up phase whose collectives, timing out after parallel.timeout_s, name themselves and the late rank."""
+        """A start-up phase whose collectives, timing out after parallel.timeout_s, name themselves and the
+        late rank (nothing to watch in one process)."""
         watch = self.watch()
         return watch.during(phase, collective) if watch is not None else nullcontext()
 
