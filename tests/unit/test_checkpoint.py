@@ -146,3 +146,22 @@ def test_checkpoints_never_unpickle_arbitrary_objects(tmp_path):
     back = {"t": torch.ones(2), "n": 0}
     dcp.load(back, checkpoint_id=str(tmp_path / "ok"), planner=SafeLoadPlanner())
     assert back["n"] == 3 and torch.equal(back["t"], torch.zeros(2))
+
+
+def test_the_saving_world_size_is_read_or_inferred_from_the_rng_states(tmp_path):
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    from gpudl.checkpoint.streams import rng_note, saved_world
+
+    def holding(*keys):
+        return Metadata(state_dict_metadata={k: BytesStorageMetadata() for k in ("model.w", *keys)})
+
+    two = holding("rng_0.cpu", "rng_1.cpu", "rng_1.device")
+    assert saved_world(tmp_path, {"world_size": 2}, two) == 2
+    assert saved_world(tmp_path, {}, two) == 2  # written before world_size was recorded
+    assert saved_world(tmp_path, {}, holding()) is None  # no RNG states at all: nothing to restore
+    assert saved_world(tmp_path, {}, holding("rng_1.cpu")) is None  # not ranks 0..n-1: not a world
+    with pytest.raises(UserError, match="world_size must be an integer >= 1, got '2'"):
+        saved_world(tmp_path, {"world_size": "2"}, two)
+    assert rng_note(2, 2) is None
+    assert rng_note(None, 2).startswith("The checkpoint holds no RNG states and resumes on 2: random streams")

@@ -22,7 +22,9 @@ _STEP_COLLECTIVES = {"dp_replicate": "gradient all-reduce (DDP)",
                      "dp_shard": "parameter all-gather / gradient reduce-scatter (FSDP)",
                      "tp": "activation all-reduce (tensor parallel)", "pp": "activation send/recv (pipeline)"}
 _PHASE_COLLECTIVES = {"logging": "loss all-reduce", "evaluation": "evaluation all-reduce",
-                      "checkpoint save": "checkpoint barrier / gather", "checkpoint load": "checkpoint load (DCP)"}
+                      "checkpoint save": "checkpoint barrier / gather", "checkpoint load": "checkpoint load (DCP)",
+                      "plan agreement": "broadcast of rank 0's decisions (plan, layout, run folder)",
+                      "model set-up": "mesh set-up / parameter broadcast (DDP, FSDP)"}
 # Phases before the first step: a timeout there is "in the <phase>", not "of step N".
 STARTUP_PHASES = ("start-up", "plan agreement", "model set-up", "checkpoint load")
 _TIMEOUT_WORDS = ("timed out", "timeout", "watchdog")
