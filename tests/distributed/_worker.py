@@ -13,8 +13,9 @@ import bodies  # noqa: E402  (the bodies live next to this file)
 
 name, kwargs, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 backend = os.environ["GPUDL_TEST_BACKEND"]
-# Else a process alone, as `gpudl train` without torchrun, or ranks that join through gpudl's own rendezvous
-# (MASTER_ADDR, as a hand-made launch sets it): gpudl makes the group itself.
+# The helper's group (file rendezvous), unless the process runs alone (`gpudl train` without torchrun) or
+# its ranks join through gpudl's own rendezvous (GPUDL_TEST_GPUDL_JOINS, with MASTER_ADDR as a hand-made
+# launch sets it): gpudl then makes the group itself.
 if "RANK" in os.environ and not os.environ.get("GPUDL_TEST_GPUDL_JOINS"):
     if os.environ.get("GPUDL_TEST_DEVICE", "cpu") != "cpu":  # one accelerator per rank, as gpudl picks it
         torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))

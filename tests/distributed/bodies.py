@@ -45,19 +45,6 @@ def train_tiny(sets: list[str], resume: str | None = None, device: str = "cpu") 
             "shards_on": sorted({p.to_local().device.type for p in result.model.parameters() if hasattr(p, "to_local")})}
 
 
-def train_and_state(sets: list[str], resume: str | None = None, device: str = "cpu") -> dict:
-    """Train (or only restore, when max_steps is the checkpoint's step); the whole state on rank 0."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    from gpudl.config import load_config
-    from gpudl.training.recipe import train
-
-    result = train(load_config(None, on(device, sets)), resume=resume, console=Console(quiet=True))
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return {"params": full_params(result.model),
-            "optim": get_optimizer_state_dict(result.model, result.optimizer, options=options)}
-
-
 def train_with_stall(sets: list[str], stall_rank: int, stall_step: int, seconds: float, device: str = "cpu") -> dict:
     """Train, but on `stall_rank` hang for `seconds` in the forward pass of step `stall_step`."""
     import time

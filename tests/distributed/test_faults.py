@@ -1,4 +1,4 @@
-"""Faults: a stalled rank becomes a named error, in a training step or in the checkpoint load.
+"""Faults: a stalled rank becomes a named error, in a training step, in the checkpoint load or at the rendezvous.
 
 (Resharding checkpoints between world sizes: test_resume.py.)"""
 
