@@ -150,7 +150,8 @@ def restore(ckpt: Checkpointer, job: Job, cfg: Config, session: Session) -> Trai
     problem = session.agree(problem)
     if problem:
         raise UserError(problem)
-    return restore_job(ckpt, job, cfg.optim.lr)
+    state, _ = restore_job(ckpt, job, cfg, session.world)  # no re-seeding note: check_same_run kept the processes
+    return state
 
 
 def _other_model(ckpt: Checkpointer) -> str | None:
