@@ -189,7 +189,8 @@ def _cell_name(c: dict) -> str:
 
 # --- benchmarks/overhead.py and benchmarks/peers.py (they print; no JSON) -------------------------------
 
-OVERHEAD = re.compile(r"^overhead: ([+-][\d.]+)% \(median of (\d+) rounds; quartiles ([+-][\d.]+)% \.\. ([+-][\d.]+)%\)")
+OVERHEAD = re.compile(r"^overhead: ([+-][\d.]+)% \(median of (\d+) rounds; quartiles ([+-][\d.]+)% \.\. ([+-][\d.]+)%"
+                      r"(?:; the median's 95% interval ([+-][\d.]+)% \.\. ([+-][\d.]+)%)?\)")
 ROUND = re.compile(r"^round\s+\d+: gpudl\s+([\d.]+) ms/step · raw\s+([\d.]+) ms/step · ratio ([\d.]+)")
 
 
@@ -202,7 +203,8 @@ def overhead(out: Path, name: str) -> dict:
         res["gpudl_ms_per_step_median"] = statistics.median(float(m[1]) for m in rounds)
         res["raw_ms_per_step_median"] = statistics.median(float(m[2]) for m in rounds)
     if m := next((OVERHEAD.match(ln) for ln in lines if OVERHEAD.match(ln)), None):
-        res.update(overhead_pct=float(m[1]), quartiles_pct=[float(m[3]), float(m[4])])
+        res.update(overhead_pct=float(m[1]), quartiles_pct=[float(m[3]), float(m[4])],
+                   **({"median_interval_pct": [float(m[5]), float(m[6])]} if m[5] else {}))
     elif rounds:  # cut short: the rounds it timed, without the benchmark's own verdict
         res["overhead_pct_of_rounds_done"] = 100 * (statistics.median(float(m[3]) for m in rounds) - 1)
     return res if setup or rounds else {}

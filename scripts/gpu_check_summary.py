@@ -35,6 +35,8 @@ PHASES = [
     ("resnet50", "ResNet-50, bf16-mixed, channels-last, 224 px", read.bench),
     ("gpt-1b", "GPT 1B (gpt-1b), bf16-mixed", read.bench),
     ("overhead", "gpudl's loop against a raw PyTorch loop (benchmarks/overhead.py)", read.overhead),
+    ("overhead-tiny", "the same on gpt-tiny, whose steps are short enough for the loop's own work to show",
+     read.overhead),
     ("peers-identical", "gpudl, raw PyTorch, Fabric, Accelerate at identical settings (benchmarks/peers.py)",
      read.peers),
     ("peers-defaults", "the same, each with its own defaults (benchmarks/peers.py)", read.peers),
@@ -155,7 +157,10 @@ def render_bench(f: dict) -> list[str]:
 
 
 def render_overhead(f: dict) -> list[str]:
-    verdict = (f"**{f['overhead_pct']:+.2f}%** (quartiles {f['quartiles_pct'][0]:+.2f}% … {f['quartiles_pct'][1]:+.2f}%)"
+    interval = f"; the median's 95% interval {f['median_interval_pct'][0]:+.2f}% … {f['median_interval_pct'][1]:+.2f}%" \
+        if "median_interval_pct" in f else ""
+    verdict = (f"**{f['overhead_pct']:+.2f}%** (quartiles {f['quartiles_pct'][0]:+.2f}% … {f['quartiles_pct'][1]:+.2f}%"
+               f"{interval})"
                if "overhead_pct" in f else
                f"median of the rounds done {fmt(f.get('overhead_pct_of_rounds_done'), '+.2f', '%')} (cut short)")
     return [f"{f['setup']}: gpudl's time over raw PyTorch's, {f['rounds']} rounds: {verdict}; "

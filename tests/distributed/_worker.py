@@ -13,7 +13,10 @@ import bodies  # noqa: E402  (the bodies live next to this file)
 
 name, kwargs, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 backend = os.environ["GPUDL_TEST_BACKEND"]
-if "RANK" in os.environ:  # else a process alone, as `gpudl train` without torchrun: gpudl makes any group itself
+# The helper's group (file rendezvous), unless the process runs alone (`gpudl train` without torchrun) or
+# its ranks join through gpudl's own rendezvous (GPUDL_TEST_GPUDL_JOINS, with MASTER_ADDR as a hand-made
+# launch sets it): gpudl then makes the group itself.
+if "RANK" in os.environ and not os.environ.get("GPUDL_TEST_GPUDL_JOINS"):
     if os.environ.get("GPUDL_TEST_DEVICE", "cpu") != "cpu":  # one accelerator per rank, as gpudl picks it
         torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
     # The group is the helper's (file rendezvous), so a test that needs a short collective timeout says so here.

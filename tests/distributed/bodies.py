@@ -6,6 +6,8 @@ helper.run_ranks passes it); a test also calls a body in its own process, as the
 
 from __future__ import annotations
 
+import io
+
 import torch
 import torch.distributed as dist
 from rich.console import Console
@@ -41,19 +43,6 @@ def train_tiny(sets: list[str], resume: str | None = None, device: str = "cpu") 
             "evals": [r for r in result.records if r["kind"] == "eval"],
             "params": full_params(result.model), "summary": result.summary, "rank": dist.get_rank(),
             "shards_on": sorted({p.to_local().device.type for p in result.model.parameters() if hasattr(p, "to_local")})}
-
-
-def train_and_state(sets: list[str], resume: str | None = None, device: str = "cpu") -> dict:
-    """Train (or only restore, when max_steps is the checkpoint's step); the whole state on rank 0."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    from gpudl.config import load_config
-    from gpudl.training.recipe import train
-
-    result = train(load_config(None, on(device, sets)), resume=resume, console=Console(quiet=True))
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return {"params": full_params(result.model),
-            "optim": get_optimizer_state_dict(result.model, result.optimizer, options=options)}
 
 
 def train_with_stall(sets: list[str], stall_rank: int, stall_step: int, seconds: float, device: str = "cpu") -> dict:
@@ -124,8 +113,9 @@ def train_tiny_tp(sets: list[str], device: str = "cpu") -> dict:
             "tied": model.wte.weight is model.lm_head.weight, "rank": dist.get_rank()}
 
 
-def poison_loss(rank_to_poison: int | None, step: int) -> None:
-    """Make the loss NaN at training step `step` on one rank (None: in this single process)."""
+def poison_loss(rank_to_poison: int | None, step: int, factor: float = float("nan")) -> None:
+    """Multiply the loss by `factor` (NaN: make it NaN) at training step `step` on one rank (None: in this
+    single process)."""
     from gpudl import models
 
     real = models.loss_for
@@ -138,14 +128,14 @@ def poison_loss(rank_to_poison: int | None, step: int) -> None:
             calls["n"] += batch[0].device.type != "meta"
             me = dist.get_rank() if dist.is_initialized() else None
             out = loss(model, batch)
-            return out * float("nan") if calls["n"] == step and me == rank_to_poison else out
+            return out * factor if calls["n"] == step and me == rank_to_poison else out
         return fn
 
     models.loss_for = poisoned
 
 
-def train_poisoned(sets: list[str], rank: int, step: int, device: str = "cpu") -> dict:
-    poison_loss(rank, step)
+def train_poisoned(sets: list[str], rank: int, step: int, device: str = "cpu", factor: float = float("nan")) -> dict:
+    poison_loss(rank, step, factor)
     return train_tiny(sets, device=device)
 
 
@@ -281,3 +271,128 @@ def fit_out_of_memory(batch_size: int, grad_accum: int = 1, at: int = 0, rows: i
                        device=device)
     return {"losses": [r["loss"] for r in result.records if r["kind"] == "train"],
             "ooms": [r for r in result.records if r["kind"] == "oom"]}
+
+
+def fit_resumable(run_dir: str, model: str = "user", data: str = "tensors", resume: bool = False, max_steps: int = 9,
+                  checkpoint_every: int = 3, parallel: dict | None = None, device: str = "cpu") -> dict:
+    """fit of the user module or the Hugging Face GPT-2, into `run_dir` with checkpoints (or resumed from it),
+    with validation data: its losses, evaluations and final weights on rank 0. `data`: the tensors (a dict of
+    columns for GPT-2), or a DataLoader over them that shuffles with a generator of its own."""
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import gpudl
+    from gpudl.config import ParallelConfig
+
+    if model == "user":
+        net, (x, y) = user_model_and_data()
+        train, val, kw = (x[:384], y[:384]), (x[384:], y[384:]), {"loss": F.cross_entropy, "lr": 1e-2}
+        if data == "dataloader":
+            train = DataLoader(TensorDataset(*train), batch_size=16, shuffle=True,
+                               generator=torch.Generator().manual_seed(5))
+    else:
+        net, columns = hf_gpt2_and_data()
+        train = {k: v[:192] for k, v in columns.items()}
+        val, kw = {k: v[192:] for k, v in columns.items()}, {"lr": 3e-3}
+    result = gpudl.fit(net, train, val_data=val, max_steps=max_steps, batch_size=16, precision="fp32", log_every=1,
+                       eval_every=4, quiet=True, checkpoint_every=checkpoint_every, device=device,
+                       parallel=ParallelConfig(**(parallel or {})), **({"resume": run_dir} if resume else
+                                                                       {"run_dir": run_dir}), **kw)
+    return {"losses": {r["step"]: r["loss"] for r in result.records if r["kind"] == "train"},
+            "evals": [r for r in result.records if r["kind"] == "eval"],
+            "params": full_params(result.model), "steps": result.metrics.steps}
+
+
+def _rank_or_0() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The whole model's parameters and optimizer state, gathered to rank 0 (a collective)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = {"params": full_params(model), "optim": get_optimizer_state_dict(model, optimizer, options=options)}
+    # copies: tensors already on the CPU come back as the live ones, which training goes on changing
+    return torch.utils._pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, state)
+
+
+def load_weights_only(sets: list[str], run: str, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The newest checkpoint of `run`, weights only (optimizer=None), loaded into a fresh job of this
+    layout (DDP's replicas, FSDP's shards); the whole weights on rank 0."""
+    from pathlib import Path
+
+    from gpudl.checkpoint import Checkpointer, model_fingerprint
+    from gpudl.config import load_config
+    from gpudl.training.job import model_and_data
+    from gpudl.training.precision import make_precision
+    from gpudl.training.recipe import recipe_job
+    from gpudl.training.session import plan_parallel, start_session
+
+    cfg = load_config(None, on(device, sets))
+    session = start_session(cfg.run, Console(quiet=True), cfg.parallel.timeout_s)
+    plan_parallel(session, cfg.parallel)
+    spec, data = model_and_data(cfg, *session.dp)
+    job, _ = recipe_job(cfg, spec, data, session, make_precision(cfg.train.precision, session.device))
+    ckpt = Checkpointer(Path(run) / "checkpoints", cfg.checkpoint.keep, model_fingerprint(spec.name, spec.config),
+                        is_writer=session.is_writer)
+    ckpt.load(ckpt.latest(), job.model, optimizer=None)
+    return full_params(job.model)
+
+
+def resume_on_this_world(sets: list[str], resume: str | None = None, weights_only: bool = False,
+                         device: str = "cpu") -> dict:
+    """Train (resuming `resume`, saved by any number of processes) and report: the losses; the whole
+    state at the end; the whole state and this rank's CPU RNG state right after the restore; with
+    `weights_only`, first a weights-only load of the same checkpoint into a fresh job. Also called
+    in the test's own process (one process, no group)."""
+    from gpudl.config import load_config
+    from gpudl.training import recipe
+
+    out = {"weights_only": load_weights_only(sets, resume, device)} if weights_only else {}
+    real = recipe.restore_job
+
+    def restore_and_look(ckpt, job, *args):
+        restored = real(ckpt, job, *args)
+        out["rng"] = torch.get_rng_state()  # read before the state gather below, which draws nothing anyway
+        out["restored"] = _full_state(job.model, job.optimizer)
+        return restored
+
+    recipe.restore_job = restore_and_look
+    printed = io.StringIO()
+    try:
+        result = recipe.train(load_config(None, on(device, sets)), resume=resume,
+                              console=Console(file=printed, width=400))
+    finally:
+        recipe.restore_job = real
+    return {**out, **_full_state(result.model, result.optimizer), "rank": _rank_or_0(), "printed": printed.getvalue(),
+            "losses": {r["step"]: r["loss"] for r in result.records if r["kind"] == "train"}}
+
+
+def resume_with_a_late_rank(sets: list[str], resume: str, late_rank: int, seconds: float,
+                            device: str = "cpu") -> dict:
+    """Resume, but on `late_rank` sleep for `seconds` before the checkpoint load's DCP read (as a rank held
+    up by a slow file system, or one that skipped the load, looks to the others)."""
+    import time
+
+    from gpudl.checkpoint import store
+
+    real = store._dcp_load
+
+    def late(*args, **kwargs):
+        if dist.get_rank() == late_rank:
+            time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    store._dcp_load = late
+    return train_tiny(sets, resume=resume, device=device)
+
+
+def join_late(sets: list[str], late_rank: int, seconds: float, device: str = "cpu") -> dict:
+    """Train, joining the job through gpudl's rendezvous, but `seconds` late on `late_rank`."""
+    import os
+    import time
+
+    if int(os.environ["RANK"]) == late_rank:
+        time.sleep(seconds)
+    return train_tiny(sets, device=device)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -53,6 +54,15 @@ def tolerance(device: str) -> float:
     sums in another order. On an accelerator, 1e-4: NCCL's ring and tree all-reduces sum in yet
     other orders, and GEMMs tile a batch of 4 and one of 8 differently."""
     return 1e-5 if device == "cpu" else 1e-4
+
+
+def gpudl_joins() -> dict[str, str]:
+    """The environment of ranks that join through gpudl's own rendezvous (a store rank 0 hosts at
+    MASTER_ADDR:MASTER_PORT), not a group the helper makes for them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {"GPUDL_TEST_GPUDL_JOINS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
 def _output(log: Path) -> str:

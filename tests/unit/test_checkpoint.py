@@ -9,6 +9,7 @@ from rich.console import Console
 
 from gpudl.checkpoint.reader import SafeLoadPlanner
 from gpudl.checkpoint import complete_checkpoints
+from gpudl.checkpoint.files import manifest
 from gpudl.errors import UserError
 from gpudl.training.recipe import train
 
@@ -21,16 +22,29 @@ def losses(records):
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
-def test_resume_is_bit_identical_to_an_uninterrupted_run(tiny, device):
+def rewrite_state(ckpt, change) -> None:
+    """Change a checkpoint's state.json as gpudl would have written it (its manifest made to match)."""
+    state = json.loads((ckpt / "state.json").read_text())
+    change(state)
+    (ckpt / "state.json").write_text(json.dumps(state))
+    (ckpt / "manifest.json").write_text(json.dumps(manifest(ckpt)))
+
+
+@pytest.mark.parametrize("written_by", ["now", "before world_size"])
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tiny, device, written_by):
     """On the CPU, bit for bit. An accelerator's kernels may sum in a different order from one run to the
     next (atomics in the embedding's backward, say): there the resumed run must match within 1e-4 here,
-    and bit for bit under torch.use_deterministic_algorithms (tests/accelerator)."""
+    and bit for bit under torch.use_deterministic_algorithms (tests/accelerator). A checkpoint written
+    before state.json recorded the saving world size restores its RNG states too (dropout is on)."""
     on = f"run.device={device}"
     full = train(tiny(*RESUMABLE, on, "run.name=full"), console=QUIET)
     cut = train(tiny(*RESUMABLE, on, "run.name=cut"), console=QUIET)
     ckpts = complete_checkpoints(cut.run_dir / "checkpoints")
     assert [c.name for c in ckpts] == ["step_00000006", "step_00000012"]
     shutil.rmtree(ckpts[-1])  # as if the run had died after step 6's checkpoint
+    assert json.loads((ckpts[0] / "state.json").read_text())["world_size"] == 1
+    if written_by != "now":
+        rewrite_state(ckpts[0], lambda state: state.pop("world_size"))
     resumed = train(tiny(*RESUMABLE, on, "run.name=cut"), resume=cut.run_dir, console=QUIET)
     want = {s: v for s, v in losses(full.records).items() if s > 6}
     params = list(zip(full.model.parameters(), resumed.model.parameters()))
@@ -87,6 +101,14 @@ def test_a_damaged_checkpoint_is_refused_and_left_alone(tiny, finished, damage, 
     assert sorted(p.name for p in finished.run_dir.rglob("*")) == files_before
 
 
+def test_a_world_size_that_its_rng_states_contradict_is_refused(tiny, finished):
+    newest = complete_checkpoints(finished.run_dir / "checkpoints")[-1]
+    rewrite_state(newest, lambda state: state.update(world_size=2))
+    with pytest.raises(UserError, match=r"is damaged \(state.json says 2 processes saved it, but it holds the RNG "
+                                        r"states of ranks \[0\]\)"):
+        train(tiny("run.name=done", "train.max_steps=6"), resume=finished.run_dir, console=QUIET)
+
+
 def test_a_checkpoint_of_another_model_is_refused(tiny, finished):
     with pytest.raises(UserError, match="holds another model"):
         train(tiny("run.name=done", "train.max_steps=6", "model.n_layer=3"), resume=finished.run_dir, console=QUIET)
@@ -124,3 +146,22 @@ def test_checkpoints_never_unpickle_arbitrary_objects(tmp_path):
     back = {"t": torch.ones(2), "n": 0}
     dcp.load(back, checkpoint_id=str(tmp_path / "ok"), planner=SafeLoadPlanner())
     assert back["n"] == 3 and torch.equal(back["t"], torch.zeros(2))
+
+
+def test_the_saving_world_size_is_read_or_inferred_from_the_rng_states(tmp_path):
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    from gpudl.checkpoint.streams import rng_note, saved_world
+
+    def holding(*keys):
+        return Metadata(state_dict_metadata={k: BytesStorageMetadata() for k in ("model.w", *keys)})
+
+    two = holding("rng_0.cpu", "rng_1.cpu", "rng_1.device")
+    assert saved_world(tmp_path, {"world_size": 2}, two) == 2
+    assert saved_world(tmp_path, {}, two) == 2  # written before world_size was recorded
+    assert saved_world(tmp_path, {}, holding()) is None  # no RNG states at all: nothing to restore
+    assert saved_world(tmp_path, {}, holding("rng_1.cpu")) is None  # not ranks 0..n-1: not a world
+    with pytest.raises(UserError, match="world_size must be an integer >= 1, got '2'"):
+        saved_world(tmp_path, {"world_size": "2"}, two)
+    assert rng_note(2, 2) is None
+    assert rng_note(None, 2).startswith("The checkpoint holds no RNG states and resumes on 2: random streams")

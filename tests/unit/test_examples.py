@@ -3,6 +3,7 @@
 import doctest
 import importlib
 import pkgutil
+from pathlib import Path
 
 import pytest
 
@@ -33,3 +34,21 @@ def test_docstring_examples(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # examples that write (runs, benchmarks) write here
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0, f"{result.failed} of {result.attempted} failed in {name}"
+
+
+def readme_block(marker: str) -> str:
+    """The README's Python code block that contains `marker`."""
+    text = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf8")
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    found = [b for b in blocks if marker in b]
+    assert len(found) == 1, f"{len(found)} README code blocks hold {marker!r}"
+    return found[0]
+
+
+def test_the_readme_fit_example_that_resumes_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # it writes runs/mlp here
+    exec(compile(readme_block('resume="runs/mlp"'), "README.md", "exec"), {})
+    val_loss, val_accuracy = map(float, capsys.readouterr().out.split()[-2:])
+    assert 0 < val_loss and 0 <= val_accuracy <= 1
+    assert sorted(p.name for p in (tmp_path / "runs" / "mlp" / "checkpoints").iterdir()) == \
+        ["step_00000150", "step_00000200"]

@@ -130,6 +130,41 @@ def test_a_run_folder_that_holds_a_run_is_refused_and_left_as_it_was(tmp_path, h
     (run / held).parent.mkdir(parents=True)
     (run / held).write_text("earlier run")
     before = {p: (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns) for p in run.rglob("*")}
-    assert refused(run_dir=run) == (f"run folder {run} already holds a run: pass another run_dir=, or delete the "
-                                    f"folder to start again")
+    assert refused(run_dir=run) == (f"run folder {run} already holds a run: continue it with resume={str(run)!r}, "
+                                    f"pass another run_dir=, or delete the folder to start again")
     assert {p: (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns) for p in run.rglob("*")} == before
+
+
+def test_keywords_that_need_another_are_refused():
+    assert refused(checkpoint_every=5) == "checkpoint_every=5 saves checkpoints into the run folder: pass run_dir= too"
+    assert refused(checkpoint_every=-1) == ("checkpoint_every must be an int >= 0 (0: at the end only), got -1: pass "
+                                            "checkpoint_every=<steps between checkpoints>")
+    assert refused(metrics=lambda p, t: {}) == "metrics= are computed on the validation data: pass val_data= too"
+    assert refused(resume="auto") == ("resume='auto' continues run_dir when it holds a checkpoint and starts it "
+                                      "otherwise: pass run_dir= too")
+
+
+def test_validation_data_that_can_be_read_only_once_is_refused():
+    x, y = data()
+    assert refused(val_data=((x[i:i + 8], y[i:i + 8]) for i in range(0, 64, 8))) == (
+        "the validation data, a generator, can be read only once, and every evaluation reads all of it: pass a list "
+        "of batches, a Dataset, tensors or a DataLoader")
+
+
+def test_metrics_that_are_not_numbers_are_named():
+    x, y = data()
+    with pytest.raises(UserError) as e:
+        gpudl.fit(net(), (x, y), loss=F.cross_entropy, max_steps=1, batch_size=8, val_data=(x[:16], y[:16]),
+                  metrics=lambda pred, target: {"hits": pred.argmax(-1) == target}, **QUIET)
+    assert str(e.value) == ("metrics= must return a dict of numbers (one value per batch, a mean over its samples), "
+                            "but 'hits' is a tensor of shape (8,): reduce it, e.g. (pred.argmax(-1) == "
+                            "target).float().mean()")
+
+
+def test_the_commands_do_not_take_a_fit_run_for_a_recipe_run(tmp_path):
+    from gpudl.config import load_config
+
+    x, y = data()
+    gpudl.fit(net(), (x, y), loss=F.cross_entropy, max_steps=1, batch_size=8, run_dir=tmp_path / "run", **QUIET)
+    with pytest.raises(UserError, match=r"config.toml is the config of a gpudl.fit run, whose model is the user's own"):
+        load_config(tmp_path / "run" / "config.toml")

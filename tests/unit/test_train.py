@@ -2,6 +2,7 @@
 PyTorch loop bit for bit, accumulation, non-finite steps, evaluation and the fp16 loss scaler."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -69,6 +70,23 @@ def test_a_step_drawn_whole_and_cut_equals_one_drawn_in_micro_batches(device):
         assert torch.equal(x, y)
 
 
+def torch_alone(model, steps, warmup):
+    """The reference's optimizer and schedule from torch and a formula only, not gpudl's own helpers (a bug
+    there would cancel out): AdamW with weight decay 0.1 on matrices and none on vectors, betas (0.9, 0.95),
+    the peak lr 1e-2 after a linear warm-up, then a cosine down to a tenth of it."""
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    fused = next(model.parameters()).device.type in ("cpu", "cuda", "xpu", "mps")
+    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=fused or None, foreach=None if fused else True)
+
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / (steps - warmup))))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
 def test_loop_equals_a_plain_pytorch_loop_bit_for_bit(device):
     """The same kernels in the same order on the same device: equal to the bit, on an accelerator too."""
     steps, accum = 6, 2
@@ -77,8 +95,7 @@ def test_loop_equals_a_plain_pytorch_loop_bit_for_bit(device):
     job = gpudl_job(ours, batches, steps, device=device, draws=accum)
     train_loop(job, TrainConfig(max_steps=steps, grad_accum=accum, grad_clip=0.5), TrainState(), Quiet())
 
-    opt = make_optimizer(theirs, OptimConfig(lr=1e-2, warmup_steps=2), torch.device(device).type)
-    sched = make_scheduler(opt, OptimConfig(lr=1e-2, warmup_steps=2), steps)
+    opt, sched = torch_alone(theirs, steps, warmup=2)
     it = iter(batches)
     for _ in range(steps):
         for _ in range(accum):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path, PurePath
 
 from ..errors import UserError
@@ -17,7 +18,9 @@ from ..errors import UserError
 PREFIX = "step_"
 # What state.json's loop position holds: counters, each a non-negative integer.
 TRAIN_STATE_KEYS = ("step", "batches", "nonfinite_in_a_row", "nonfinite_total")
-OPTIONAL_TRAIN_STATE_KEYS = ("micro_batch",)  # later additions: a checkpoint written before them still loads
+OPTIONAL_TRAIN_STATE_KEYS = ("micro_batch", "spikes")  # later additions: a checkpoint written before them still loads
+# Lists of numbers in train_state, each at most this long: the recent losses loss spikes are measured against.
+TRAIN_STATE_LISTS = {"loss_history": 100_000}
 
 
 def sha256(path: Path) -> str:
@@ -97,11 +100,17 @@ def check_state(ckpt: Path, state) -> dict:
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise damaged(ckpt, "state.json does not describe a model")
     train = state.get("train_state")
-    if not isinstance(train, dict) or not set(TRAIN_STATE_KEYS) <= set(train) <= {*TRAIN_STATE_KEYS,
-                                                                                 *OPTIONAL_TRAIN_STATE_KEYS} or \
-            not all(type(v) is int and v >= 0 for v in train.values()):
+    counters = {k: v for k, v in train.items() if k not in TRAIN_STATE_LISTS} if isinstance(train, dict) else None
+    if counters is None or not set(TRAIN_STATE_KEYS) <= set(counters) <= {*TRAIN_STATE_KEYS,
+                                                                          *OPTIONAL_TRAIN_STATE_KEYS} or \
+            not all(type(v) is int and v >= 0 for v in counters.values()):
         raise damaged(ckpt, f"state.json's train_state must hold the counters {', '.join(TRAIN_STATE_KEYS)} "
                             f"as integers >= 0, got {train!r}")
+    for key, longest in TRAIN_STATE_LISTS.items():
+        values = train.get(key, [])
+        if not isinstance(values, list) or len(values) > longest or \
+                not all(type(v) in (int, float) and math.isfinite(v) for v in values):
+            raise damaged(ckpt, f"state.json's train_state.{key} must be a list of at most {longest} finite numbers")
     for key in ("scheduler", "scaler"):
         if not isinstance(state.get(key, {}), dict):
             raise damaged(ckpt, f"state.json's {key} must be a table, got {state[key]!r}")

@@ -6,7 +6,8 @@ each rank writing its own shards, and each rank's RNG states), `state.json` (loo
 schedule, loss scale, which model) and, written last, `manifest.json`. Everything is first
 written to a `.tmp` folder that rank 0 renames into place once every rank has finished, so a
 crash during a save leaves the previous checkpoint in use. Parameter names are those of the
-whole model on every layout, so a checkpoint saved by 4 ranks loads on 2 or 1 (DCP reshards).
+whole model on every layout, so a checkpoint saved by 4 ranks loads on 2 or 1, and one saved by 1
+on 2 or 4 (DCP reshards; RNG states as `streams.py` says).
 Loading never runs code from the files (see `reader.py`).
 """
 
@@ -33,10 +34,12 @@ from torch.distributed.tensor import DTensor
 
 from ..device.accel import rng_state, set_rng_state
 from ..distributed.agree import broadcast_json
+from ..distributed.watch import StepWatch, is_timeout
 from ..errors import UserError
 from .files import PREFIX, complete_checkpoints, manifest, verify
 from .reader import (METADATA_FILE, SafeLoadPlanner, SafeReader, UnsafeCheckpointFile, check_byte_entries,
                      check_storage_files, read_metadata_file)
+from .streams import reseed, restores, saved_world
 
 # What DCP warns when it saves or loads without a process group: in one process, exactly the intent.
 SINGLE_PROCESS = ".*assuming the intent is to (save|load) in a single process.*"
@@ -57,6 +60,10 @@ def _single_process_ok():
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world(no_dist: bool = False) -> int:
+    return dist.get_world_size() if dist.is_initialized() and not no_dist else 1
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -93,17 +100,32 @@ def _refusal(ckpt: Path, e: BaseException) -> UserError:
                      f"it was written by an incompatible version or is damaged")
 
 
+def _collective_failure(e: BaseException) -> BaseException | None:
+    """The failure of the load's communication (a timeout, a rank gone) in `e`, if that is what failed, rather
+    than the reading of a file: never the files' fault."""
+    failures = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+    return next((exc for exc in failures if isinstance(exc, dist.DistError) or is_timeout(exc)), None)
+
+
 def _dcp_load(sd: dict, ckpt: Path, partial: bool, no_dist: bool) -> None:
     try:
         with _single_process_ok():
             dcp.load(sd, storage_reader=SafeReader(ckpt), planner=SafeLoadPlanner(allow_partial_load=partial),
                      no_dist=no_dist)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        failure = _collective_failure(e)
+        if failure is e:
+            raise  # the caller's watch names the collective and the late rank
+        if failure is not None:
+            raise failure from e  # unwrapped from DCP's gathered failures, for the same watch
         raise _refusal(ckpt, e) from e
 
 
 def vet(ckpt: Path) -> dict:
-    """state.json of an intact checkpoint whose metadata is safe to hand to DCP; a UserError otherwise."""
+    """state.json of an intact checkpoint whose metadata is safe to hand to DCP; a UserError otherwise.
+
+    Its `world_size` (how many processes saved it) is filled in from the RNG states for a checkpoint
+    written before it was recorded."""
     state = verify(ckpt)
     try:
         metadata = read_metadata_file(ckpt / METADATA_FILE)
@@ -111,7 +133,7 @@ def vet(ckpt: Path) -> dict:
         check_byte_entries(metadata, ckpt)
     except UnsafeCheckpointFile as e:
         raise _unsafe(ckpt, e) from e
-    return state
+    return {**state, "world_size": saved_world(ckpt, state, metadata)}
 
 
 def _all_finite(model: nn.Module, collective: bool = True) -> bool:
@@ -150,8 +172,10 @@ class Checkpointer:
     the JSON files, renames and prunes.
     """
 
-    def __init__(self, folder: Path, keep: int, model_fingerprint: dict, is_writer: bool = True):
+    def __init__(self, folder: Path, keep: int, model_fingerprint: dict, is_writer: bool = True,
+                 watch: StepWatch | None = None):
         self.folder, self.keep, self.fingerprint, self.is_writer = folder, keep, model_fingerprint, is_writer
+        self.watch = watch  # names the collective and the late rank when a load's collective times out
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
         """Write checkpoint `step`; `extra` is JSON-able loop state (train state, schedule, scaler).
@@ -201,7 +225,8 @@ class Checkpointer:
         self._on_writer(lambda: self._finish(tmp, final, extra), step, tmp, group)
 
     def _finish(self, tmp: Path, final: Path, extra: dict) -> None:
-        (tmp / "state.json").write_text(json.dumps({"model": self.fingerprint, **extra}, indent=1))
+        (tmp / "state.json").write_text(json.dumps({"model": self.fingerprint, "world_size": _world(), **extra},
+                                                   indent=1))
         (tmp / "manifest.json").write_text(json.dumps(manifest(tmp), indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # the step counts from here on
@@ -262,33 +287,44 @@ class Checkpointer:
                             f"({_fmt(self.fingerprint)}): resume with the run's own config, or start a new run")
 
     def load(self, ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-             no_dist: bool = False) -> dict:
-        """Restore into `model` (and `optimizer` and RNG states, if given) in place; returns the loop state.
+             no_dist: bool = False, seed: int = 0) -> dict:
+        """Restore into `model` (and `optimizer` and the RNG streams, if given) in place; returns the loop
+        state (state.json, its `world_size` the saving job's). Any number of processes loads a checkpoint
+        of any number: the RNG states are restored where the two are equal, else re-seeded from `seed`.
 
+        Every rank enters each collective or none: what decides is rank 0's verdict, the same everywhere.
         `no_dist`: this process alone reads the whole model (export after a multi-process run).
         """
-        state = self._verified(ckpt, no_dist)
+        with self._during("verdict broadcast from rank 0"):
+            state = self._verified(ckpt, no_dist)
         sd = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             sd["optim"] = get_optimizer_state_dict(model, optimizer, options=OPTIM_OPTIONS)
-        _dcp_load(sd, ckpt, partial=optimizer is None, no_dist=no_dist)
+        with self._during("load plan exchange / read (DCP)"):
+            _dcp_load(sd, ckpt, partial=optimizer is None, no_dist=no_dist)
         set_model_state_dict(model, sd["model"])
-        if not _all_finite(model, collective=not no_dist):
+        with self._during("finiteness all-reduce"):
+            finite = _all_finite(model, collective=not no_dist)
+        if not finite:
             raise UserError(f"checkpoint {ckpt} holds weights that are not finite (NaN or Inf): delete it to "
                             f"resume from the one before, or start a new run")
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, sd["optim"], options=OPTIM_OPTIONS)
-            self._restore_rng(ckpt, _device_of(model), no_dist)
+            self._restore_rng(ckpt, state, _device_of(model), no_dist, seed)
         return state
 
-    def _restore_rng(self, ckpt: Path, device: torch.device, no_dist: bool) -> None:
-        """This rank's RNG streams, when the checkpoint has them (not after a change of world size)."""
-        key = f"rng_{_rank()}"
-        saved = read_metadata_file(ckpt / METADATA_FILE).state_dict_metadata  # vetted by `_verified`
-        if f"{key}.cpu" not in saved:
+    def _during(self, collective: str):
+        return self.watch.during("checkpoint load", collective) if self.watch is not None else nullcontext()
+
+    def _restore_rng(self, ckpt: Path, state: dict, device: torch.device, no_dist: bool, seed: int) -> None:
+        """This rank's RNG streams as saved, when as many processes saved them as load them; else re-seeded."""
+        if not restores(state["world_size"], _world(no_dist)):
+            reseed(seed, _rank(), state["train_state"]["step"])
             return
+        key = f"rng_{_rank()}"
         sd = {key: _rng_state(device)}
-        _dcp_load(sd, ckpt, partial=True, no_dist=no_dist)
+        with self._during("RNG load plan exchange / read (DCP)"):
+            _dcp_load(sd, ckpt, partial=True, no_dist=no_dist)  # partial: a CPU run's states lack "device"
         _set_rng_state(sd[key], device)
 
 

@@ -60,6 +60,12 @@ class TrainConfig:
                 "(SDPA flash, SDPA math, or a composed one); sdpa: SDPA's own choice everywhere")
     grad_clip: float = option(1.0, "clip the global grad norm to this (0: no clipping)", ge=0.0)
     max_nonfinite: int = option(20, "stop after this many non-finite steps in a row", ge=1)
+    spike_factor: float = option(5.0, "a step whose loss exceeds this multiple of the recent median is a loss "
+                                      "spike (after the lr warm-up; 0: no detection)", ge=0.0)
+    spike_window: int = option(100, "steps whose losses the spike median is taken over", ge=20)
+    on_spike: Literal["warn", "skip", "stop"] = option(
+        "warn", "what a loss spike does: warn, record it; skip, also skip its update (decided on the device, "
+                "a small all-reduce per step); stop, end the run with the step, its batch and the last checkpoint")
     eval_every: int = option(200, "evaluate every N steps (0: only at the end)", ge=0)
     eval_batches: int = option(10, "micro-batches per evaluation", ge=1)
     log_every: int = option(10, "log metrics every N steps", ge=1)

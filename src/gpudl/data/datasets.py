@@ -3,11 +3,14 @@ or any iterable of batches (a DataLoader, a list, a generator).
 
 A batch reaches the loop as a tuple (inputs..., target) or as a dict (a model's keyword
 arguments, as Hugging Face data pipelines yield them); a tensor alone is a tuple of one.
+A resumed fit starts its source at the batch the run had reached: a dataset's batch k is a pure
+function of (seed, k); an iterable is read again from its start and the batches before k skipped
+(a generator cannot be read again). Validation data is read whole at every evaluation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -87,6 +90,9 @@ class IterableBatches:
         self._what = f"the training data, a {type(batches).__name__},"
         self._it = iter(batches)
         self._one_shot = self._it is batches  # an iterator is its own iterator: it can be read only once
+        # Resuming reads the data again from its start and skips what the run consumed: a list, a
+        # DataLoader can; a generator cannot (what it yielded before the checkpoint is gone).
+        self.replayable = not self._one_shot
         self._next_k, self._last = 0, None    # _last: (item number, item) read last
 
     def _read_again(self) -> None:
@@ -154,12 +160,22 @@ def _tensors(data: Any) -> dict | None:
     return named
 
 
-def as_batch_source(data, batch_size: int, seed: int, rank: int = 0, world: int = 1):
-    """Turn what a user passes to `gpudl.fit` into a batch source."""
+def _as_dataset(data: Any) -> Any:
+    """Tensors (a tuple, or a dict of columns) as a dataset; anything else as it is."""
     columns = _tensors(data)
     if columns is not None:
-        data = TensorDataset(*columns.values()) if isinstance(data, tuple) else _Columns(dict(columns))
-    if isinstance(data, Dataset) and hasattr(data, "__len__") and hasattr(data, "__getitem__"):
+        return TensorDataset(*columns.values()) if isinstance(data, tuple) else _Columns(dict(columns))
+    return data
+
+
+def _map_style(data: Any) -> bool:
+    return isinstance(data, Dataset) and hasattr(data, "__len__") and hasattr(data, "__getitem__")
+
+
+def as_batch_source(data, batch_size: int, seed: int, rank: int = 0, world: int = 1):
+    """Turn what a user passes to `gpudl.fit` into a batch source."""
+    data = _as_dataset(data)
+    if _map_style(data):
         return DatasetBatches(data, batch_size, seed, rank, world)
     if isinstance(data, Mapping):
         raise UserError(f"cannot train on a {type(data).__name__} that holds other things than tensors: pass a dict "
@@ -169,3 +185,37 @@ def as_batch_source(data, batch_size: int, seed: int, rank: int = 0, world: int 
     raise UserError(f"cannot train on a {type(data).__name__}: pass a Dataset, a tuple of tensors (inputs, targets) "
                     f"or an iterable of batches")
 
+
+
+def as_eval_batches(data, batch_size: int) -> Callable[[], Iterator[Batch]]:
+    """`gpudl.fit`'s `val_data` as a function that yields all of it, in order, each time it is called.
+
+    A dataset (or tensors) comes in batches of `batch_size` samples, the last one smaller; an
+    iterable of batches as it is. A generator is refused: every evaluation reads the data again.
+    """
+    what = f"the validation data, a {type(data).__name__},"
+    data = _as_dataset(data)
+    if _map_style(data):
+        n = len(data)
+        if n == 0:
+            raise UserError(f"{what} is empty (length 0): pass at least one sample, or leave val_data out")
+
+        def dataset_pass() -> Iterator[Batch]:
+            for start in range(0, n, batch_size):
+                indices = list(range(start, min(n, start + batch_size)))
+                yield _as_batch(_collate([data[i] for i in indices], indices), what)
+        return dataset_pass
+    if isinstance(data, Iterator):  # checked before iter(): iter() on a DataLoader would start its workers
+        raise UserError(f"{what} can be read only once, and every evaluation reads all of it: pass a list of "
+                        f"batches, a Dataset, tensors or a DataLoader")
+    if isinstance(data, Iterable) and not isinstance(data, Mapping):
+        def iterable_pass() -> Iterator[Batch]:
+            empty = True
+            for item in data:
+                empty = False
+                yield _as_batch(item, what)
+            if empty:
+                raise UserError(f"{what} yields no batches: pass at least one batch, or leave val_data out")
+        return iterable_pass
+    raise UserError(f"cannot evaluate on a {type(data).__name__}: pass val_data as a Dataset, a tuple of tensors "
+                    f"(inputs, targets), a dict of tensors or an iterable of batches")

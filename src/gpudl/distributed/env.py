@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..device.host import libc_function
 from ..errors import UserError
+from .rendezvous import check_in, tcp_store
 
 PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 
@@ -77,16 +78,30 @@ def _attempt_store(env: DistEnv, timeout_s: int) -> dist.Store:
     return dist.PrefixStore(f"gpudl/attempt_{env.restart_count}", agent)
 
 
+def _job_store(env: DistEnv, timeout_s: int, init_method: str | None) -> dist.Store | None:
+    """The store the group forms on: the agent's (this attempt's keys), else one rank 0 hosts at
+    MASTER_ADDR:MASTER_PORT or SLURM's first node; None: torch's rendezvous at `init_method`."""
+    if init_method is not None:
+        return None
+    if env.has_agent and "MASTER_ADDR" in os.environ:
+        return _attempt_store(env, timeout_s)
+    if "MASTER_ADDR" in os.environ:
+        host, port = os.environ["MASTER_ADDR"], os.environ.get("MASTER_PORT")
+        if port is None:
+            raise UserError("MASTER_ADDR is set but MASTER_PORT is not: set both, or neither under SLURM")
+    else:
+        host, port = slurm_rendezvous(os.environ)
+    return tcp_store(host, int(port), env.rank, env.world_size, timeout_s)
+
+
 def init_process_group(env: DistEnv, backend: str, timeout_s: int, init_method: str | None = None) -> None:
-    """Join the job's process group (a no-op when one is already initialised)."""
+    """Join the job's process group (a no-op when one is already initialised). Every rank first checks in
+    on the job's store, so one that never arrives is named within `timeout_s` (`rendezvous.check_in`)."""
     if dist.is_initialized():
         return
-    store = None
-    if init_method is None and env.has_agent and "MASTER_ADDR" in os.environ:
-        store = _attempt_store(env, timeout_s)
-    elif init_method is None and "MASTER_ADDR" not in os.environ:
-        host, port = slurm_rendezvous(os.environ)
-        init_method = f"tcp://{host}:{port}"
+    store = _job_store(env, timeout_s, init_method)
+    if store is not None:
+        check_in(store, env.rank, env.world_size, timeout_s)
     try:
         dist.init_process_group(backend, init_method=None if store else init_method, store=store, rank=env.rank,
                                 world_size=env.world_size, timeout=timedelta(seconds=timeout_s))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -20,6 +21,12 @@ from ..errors import UserError
 _STEP_COLLECTIVES = {"dp_replicate": "gradient all-reduce (DDP)",
                      "dp_shard": "parameter all-gather / gradient reduce-scatter (FSDP)",
                      "tp": "activation all-reduce (tensor parallel)", "pp": "activation send/recv (pipeline)"}
+_PHASE_COLLECTIVES = {"logging": "loss all-reduce", "evaluation": "evaluation all-reduce",
+                      "checkpoint save": "checkpoint barrier / gather", "checkpoint load": "checkpoint load (DCP)",
+                      "plan agreement": "broadcast of rank 0's decisions (plan, layout, run folder)",
+                      "model set-up": "mesh set-up / parameter broadcast (DDP, FSDP)"}
+# Phases before the first step: a timeout there is "in the <phase>", not "of step N".
+STARTUP_PHASES = ("start-up", "plan agreement", "model set-up", "checkpoint load")
 _TIMEOUT_WORDS = ("timed out", "timeout", "watchdog")
 # How long a rank that timed out waits for the others' timeouts before naming the ones missing.
 TIMEOUT_GRACE_S = 10.0
@@ -38,15 +45,31 @@ class StepWatch:
 
     def __init__(self, rank: int, world: int, layout: dict[str, int], timeout_s: int):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
-        self.layout = {k: v for k, v in layout.items() if v > 1}
+        self.set_layout(layout)
         # The store that rendezvous created; torch has no public accessor for it.
         self.store = dist.distributed_c10d._get_default_store() if world > 1 and dist.is_initialized() else None
-        self.step, self.phase = 0, "start-up"
+        self.step, self.phase, self.collective = 0, "start-up", None
 
-    def note(self, step: int, phase: str) -> None:
-        self.step, self.phase = step, phase
+    def set_layout(self, layout: dict[str, int]) -> None:
+        """The parallel degrees, once they are known (the start-up's collectives come before them)."""
+        self.layout = {k: v for k, v in layout.items() if v > 1}
+
+    def note(self, step: int, phase: str, collective: str | None = None) -> None:
+        """Where this rank is; `collective` names the one it is about to enter, where the phase has several kinds."""
+        self.step, self.phase, self.collective = step, phase, collective
         if self.store is not None:
             self.store.set(f"gpudl/progress/{self.rank}", json.dumps([step, phase, time.time()]))
+
+    @contextmanager
+    def during(self, phase: str, collective: str | None = None):
+        """Note `phase` (and `collective`); a collective in it that times out becomes the named error."""
+        self.note(self.step, phase, collective)
+        try:
+            yield
+        except RuntimeError as e:  # torch's DistBackendError is one
+            if is_timeout(e):
+                raise self.diagnose(e) from e
+            raise
 
     def _read(self, prefix: str) -> dict[int, list]:
         out = {}
@@ -57,10 +80,11 @@ class StepWatch:
         return out
 
     def collectives(self, phase: str) -> str:
+        if self.collective:
+            return self.collective
         if phase == "training step":
             return " / ".join(_STEP_COLLECTIVES[k] for k in ("pp", "tp", "dp_shard", "dp_replicate") if k in self.layout)
-        return {"logging": "loss all-reduce", "evaluation": "evaluation all-reduce",
-                "checkpoint save": "checkpoint barrier / gather"}.get(phase, "collective")
+        return _PHASE_COLLECTIVES.get(phase, "collective")
 
     def _late_ranks(self) -> tuple[list[int], dict[int, list]]:
         """Ranks that did not time out too: every rank waiting on a stalled one times out within the
@@ -73,18 +97,22 @@ class StepWatch:
         return sorted(set(range(self.world)) - set(waited)), self._read("gpudl/progress")
 
     def diagnose(self, error: BaseException) -> CollectiveTimeout:
-        where = (f"the {self.collectives(self.phase)} of step {self.step} timed out after {self.timeout_s} s "
-                 f"on rank {self.rank}")
+        when = f"in the {self.phase}" if self.phase in STARTUP_PHASES else f"of step {self.step}"
+        where = f"the {self.collectives(self.phase)} {when} timed out after {self.timeout_s} s on rank {self.rank}"
         try:
             late, notes = self._late_ranks() if self.store is not None else ([], {})
         except Exception:  # the store lives with rank 0, which may be the rank that is gone
             late, notes = [], {}
         now = time.time()
         if late:
-            who = "; ".join(f"rank {r} never arrived" + (f" (last at step {notes[r][0]}, {notes[r][1]}, "
+            who = "; ".join(f"rank {r} never arrived" + (f" (last {_at(*notes[r][:2])}, "
                                                        f"{now - notes[r][2]:.0f} s ago)" if r in notes else "")
                             for r in late)
         else:
             who = "no rank could be singled out (a rank died or the network failed)"
         return CollectiveTimeout(f"{where}: {who}. Look at that rank's output; if such a wait is expected, "
                                  f"raise --set parallel.timeout_s (now {self.timeout_s})")
+
+
+def _at(step: int, phase: str) -> str:
+    return f"in the {phase}" if phase in STARTUP_PHASES else f"at step {step}, {phase}"

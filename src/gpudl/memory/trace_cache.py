@@ -31,7 +31,7 @@ IRRELEVANT = ("run", "checkpoint", "log", "sample")  # config sections a trace d
 # training settings that shape the run, not a step (a plan asked by `gpudl plan` and by
 # `gpudl train --plan auto --memory-limit ...` is the same trace)
 RUN_ONLY = ("max_steps", "time_budget_s", "plan", "memory_limit", "eval_every", "eval_batches", "log_every",
-            "max_nonfinite")
+            "max_nonfinite", "spike_factor", "spike_window", "on_spike")
 
 
 def cached(cfg: Config, world: int, trace: Callable[[], dict], what: str = "trace") -> dict:

@@ -24,6 +24,7 @@ Two guards do this, one chosen per job before the loop starts (`finite_guard`):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,8 +50,10 @@ class FiniteGuard(Protocol):
     on_host: bool   # True: decides every step on the host, so the loop checks the counts every step
 
     def update(self, precision: Precision, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
-               state: TrainState) -> bool:
-        """The optimizer step unless the gradients are not finite; True when `optimizer.step()` ran."""
+               state: TrainState, veto: torch.Tensor | None = None) -> bool:
+        """The optimizer step unless the gradients are not finite or `veto` (a 0-dim 0/1 flag: a loss
+        spike, `spikes.py`) is set; True when `optimizer.step()` ran. A vetoed step is not counted
+        as non-finite."""
 
     def settle(self, state: TrainState) -> int:
         """Bring the counts into `state`; the longest run of non-finite steps so far."""
@@ -70,10 +73,11 @@ class HostGuard:
     _longest: int = 0
 
     def update(self, precision: Precision, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
-               state: TrainState) -> bool:
-        finite = self.count(bool(torch.isfinite(grad_norm)), state)
-        precision.step(optimizer, finite)  # a non-finite step leaves weights and moments untouched
-        return finite
+               state: TrainState, veto: torch.Tensor | None = None) -> bool:
+        finite = self.count(math.isfinite(grad_norm.item()), state)  # one read; no isfinite kernel to launch first
+        wanted = finite and not (veto is not None and bool(veto))
+        precision.step(optimizer, wanted)  # a skipped step leaves weights and moments untouched
+        return wanted
 
     def count(self, finite: bool, state: TrainState) -> bool:
         state.nonfinite_in_a_row = 0 if finite else state.nonfinite_in_a_row + 1
@@ -86,30 +90,34 @@ class HostGuard:
 
 
 class DeviceGuard:
-    """Decides on the device: the fused optimizer skips the update itself; no host read per step."""
+    """Decides on the device: the fused optimizer skips the update itself; no host read per step.
+
+    A step adds three small kernels of its own (the flag from the norm) besides the optimizer's
+    handling of the flag; the flags are kept as they are and counted on the host when `settle`
+    reads them, once per log interval, in one transfer."""
 
     on_host = False
 
     def __init__(self) -> None:
-        self._counts: torch.Tensor | None = None   # [in a row, total, longest run], float32 on the device
+        self._flags: list[torch.Tensor] = []   # each step's flag since the last settle, float32 on the device
+        self._host = HostGuard()                # counts the flags once they are on the host
 
     def update(self, precision: Precision, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
-               state: TrainState) -> bool:
-        found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
-        precision.step_unless(optimizer, found_inf)
-        if self._counts is None:  # from the state a resumed run brings
-            self._counts = torch.tensor([state.nonfinite_in_a_row, state.nonfinite_total, state.nonfinite_in_a_row],
-                                        dtype=torch.float32, device=found_inf.device)
-        in_a_row = (self._counts[0] + 1) * found_inf
-        self._counts = torch.stack([in_a_row, self._counts[1] + found_inf, torch.maximum(self._counts[2], in_a_row)])
+               state: TrainState, veto: torch.Tensor | None = None) -> bool:
+        # 1.0 where the norm is NaN or Inf (x * 0 is NaN exactly then): fewer kernels than isfinite's composite
+        found_inf = torch.isnan(grad_norm * 0).to(torch.float32)
+        precision.step_unless(optimizer, found_inf if veto is None else torch.maximum(found_inf, veto), veto)
+        self._flags.append(found_inf)
         return True
 
     def settle(self, state: TrainState) -> int:
-        if self._counts is None:
-            return state.nonfinite_in_a_row
-        in_a_row, total, longest = (int(x) for x in self._counts.tolist())  # one device -> host transfer
-        state.nonfinite_in_a_row, state.nonfinite_total = in_a_row, total
-        return longest
+        if self._flags:
+            flags = torch.stack(self._flags).tolist()  # one device -> host transfer
+            self._flags.clear()
+            self._host._longest = max(self._host._longest, state.nonfinite_in_a_row)  # a resumed run's
+            for flag in flags:
+                self._host.count(not flag, state)
+        return max(self._host._longest, state.nonfinite_in_a_row)
 
 
 def finite_guard(device: torch.device, optimizer: torch.optim.Optimizer) -> FiniteGuard:

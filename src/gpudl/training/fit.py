@@ -11,8 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from torch.utils.data import DataLoader
 from ..config import CheckpointConfig, Config, LogConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
 from ..config.settings import from_dict
 from ..data import DeviceLoader
-from ..data.datasets import DatasetBatches, as_batch_source
+from ..data.datasets import DatasetBatches, IterableBatches, as_batch_source, as_eval_batches
 from ..data.loader import Batch, map_tensors, tensors_in
 from ..errors import UserError
 from ..device.peak import measured_peak_flops, peak_key
@@ -37,8 +36,10 @@ from ..observe.flops import count_training_flops, meta_batch
 from .job import Task, build_job
 from .loop import TrainState
 from .micro import micro_batches, rows
+from .fit_loss import eval_fn_for, loss_fn_for
+from .fit_resume import (FitRun, check_same_run, checkpointer, fit_table, module_fingerprint, resolve_fit_run,
+                         restore, say_stopped, write_config)
 from .precision import make_precision
-from .run_dir import prepare_run_dir
 from .runner import Execution, Workload, execute
 from .session import Session, plan_parallel, start_session
 
@@ -75,73 +76,6 @@ def _checked(cls: type, values: dict[str, Any]) -> Any:
         raise UserError(str(e).replace("set --set ", "pass ")) from None
 
 
-def _takes_labels(model: nn.Module) -> bool:
-    try:
-        return "labels" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # a forward whose signature Python cannot read
-        return False
-
-
-def _prediction(out: Any) -> Any:
-    """What a user's `loss` gets from the model's output: its logits, else its first element, else itself."""
-    if isinstance(out, Mapping):  # a dict, or a Hugging Face ModelOutput
-        return out["logits"] if "logits" in out else next(iter(out.values()))
-    if hasattr(out, "logits"):
-        return out.logits
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def _own_loss(out: Any) -> Any:
-    """With loss=None: the model's output itself, or its `loss` field (a dict, a dataclass, a ModelOutput)."""
-    found = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", out)
-    if found is None:
-        raise UserError(f"with loss=None the model must compute its loss, but it returned a {type(out).__name__} "
-                        f"without one: give the model its targets (a dict batch with 'labels', as Hugging Face "
-                        f"models take them) or pass loss=")
-    return found
-
-
-def _scalar(loss: Any) -> torch.Tensor:
-    """The loss, if it is one number that backward can follow to the weights."""
-    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
-        if not loss.requires_grad:
-            raise UserError("the loss does not depend on any trainable parameter (it has no gradient): compute it "
-                            "from the model's output, without .detach()")
-        return loss
-    got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else \
-        f"a {type(loss).__name__} ({repr(loss)[:40]})"
-    raise UserError(f"the loss must be a scalar tensor, got {got}: return one value as a tensor (F.cross_entropy(...), "
-                    f"loss.mean()), not loss.item()")
-
-
-def _with_target(model: nn.Module, batch: Batch, loss: Callable) -> Any:
-    if isinstance(batch, dict):
-        if "labels" not in batch:
-            raise UserError(f"with loss= given, a dict batch holds the target under 'labels', but this one has "
-                            f"{list(batch)}: name the target 'labels', or pass loss=None if the model computes "
-                            f"its loss")
-        return loss(_prediction(model(**{k: v for k, v in batch.items() if k != "labels"})), batch["labels"])
-    if len(batch) < 2:
-        raise UserError(f"with loss= given, a batch is (inputs..., target), but this one holds {len(batch)} "
-                        f"element: add the target, or pass loss=None if the model computes its loss")
-    return loss(_prediction(model(*batch[:-1])), batch[-1])
-
-
-def _loss_fn(loss: Callable | None, model: nn.Module) -> Callable[[nn.Module, Batch], torch.Tensor]:
-    """How a batch becomes a loss; the result is checked to be a scalar with a gradient, every step."""
-    if loss is not None:
-        return lambda m, batch: _scalar(_with_target(m, batch, loss))
-    labels_by_name = _takes_labels(model)
-
-    def own(m: nn.Module, batch: Batch) -> torch.Tensor:
-        if isinstance(batch, dict):
-            return _scalar(_own_loss(m(**batch)))
-        if labels_by_name and len(batch) > 1:  # (inputs..., labels) for a model that takes labels=
-            return _scalar(_own_loss(m(*batch[:-1], labels=batch[-1])))
-        return _scalar(_own_loss(m(*batch)))
-    return own
-
-
 def _count_flops(model: nn.Module, loss_fn, batch: Batch) -> tuple[int, str | None]:
     """(FLOPs of one training step on `batch`, why MFU is not reported when they cannot be counted)."""
     try:
@@ -170,17 +104,6 @@ def _samples_per_batch(data: Any, source: Any, first: Batch, batch_size: int, co
     return n
 
 
-def _new_run_dir(run_dir: str | Path | None, session: Session) -> Path | None:
-    """`run_dir`, refused as the CLI refuses it when it already holds a run (fit starts runs, never resumes)."""
-    if run_dir is None:
-        return None
-    path = Path(run_dir)
-    if session.agree(path.is_dir() and any(path.iterdir())):
-        raise UserError(f"run folder {path} already holds a run: pass another run_dir=, or delete the folder to "
-                        f"start again")
-    return path
-
-
 def _check_trainable(model: nn.Module) -> None:
     if not any(p.requires_grad for p in model.parameters()):
         raise UserError(f"the model ({type(model).__name__}) has no trainable parameters (none, or all with "
@@ -194,10 +117,14 @@ def _same_weights_everywhere(model: nn.Module, session) -> None:
             torch.distributed.broadcast(t, src=0)
 
 
-def _config(parallel: ParallelConfig | None, **sections: dict[str, Any]) -> Config:
+def _config(parallel: ParallelConfig | None, checkpoint_every: int = 0, **sections: dict[str, Any]) -> Config:
     """fit's keywords as a run's config, each section checked as a config file's is (settings.from_dict)."""
     built = {name: _checked(SECTIONS[name], values) for name, values in sections.items()}
-    return Config(**built, parallel=parallel or ParallelConfig(), checkpoint=CheckpointConfig(every=0, export=False))
+    if type(checkpoint_every) is not int or checkpoint_every < 0:  # checkpoint.every's check, in fit's words
+        raise UserError(f"checkpoint_every must be an int >= 0 (0: at the end only), got {checkpoint_every!r}: pass "
+                        f"checkpoint_every=<steps between checkpoints>")
+    saving = CheckpointConfig(every=checkpoint_every, export=False)
+    return Config(**built, parallel=parallel or ParallelConfig(), checkpoint=saving)
 
 
 def _workload(model: nn.Module, loss_fn, first: Batch, batch_size: int, console: Console) -> Workload:
@@ -223,11 +150,13 @@ def _data(train_data: Any, cfg: Config, session: Session, console: Console):
     return source, on_device, dataclasses.replace(cfg, train=dataclasses.replace(train, batch_size=n)), drawing
 
 
-def fit(model: nn.Module, train_data, loss: Callable | None = None, *, max_steps: int = 1000,
-        batch_size: int = 32, lr: float = 1e-3, weight_decay: float = 0.0, warmup_steps: int = 0,
-        grad_accum: int = 1, grad_clip: float = 1.0, device: str = "auto", precision: str = "auto",
-        compile: bool | str = "auto", activation_checkpointing: bool | str = False, log_every: int = 10,
-        seed: int = 0, run_dir: str | Path | None = None, progress: bool = True, quiet: bool = False,
+def fit(model: nn.Module, train_data, loss: Callable | None = None, *, val_data=None,
+        metrics: Callable | None = None, max_steps: int = 1000, batch_size: int = 32, lr: float = 1e-3,
+        weight_decay: float = 0.0, warmup_steps: int = 0, grad_accum: int = 1, grad_clip: float = 1.0,
+        device: str = "auto", precision: str = "auto", compile: bool | str = "auto",
+        activation_checkpointing: bool | str = False, log_every: int = 10, eval_every: int = 0,
+        checkpoint_every: int = 0, seed: int = 0, run_dir: str | Path | None = None,
+        resume: str | Path | None = None, progress: bool = True, quiet: bool = False,
         parallel: ParallelConfig | None = None, memory_limit: str | int | None = None,
         plan: str = "off") -> FitResult:
     """Train `model` on `train_data` and return it with its metrics.
@@ -242,8 +171,26 @@ def fit(model: nn.Module, train_data, loss: Callable | None = None, *, max_steps
     model computes its own loss, returned as a tensor or as the `loss` of its output: a dict batch
     is passed as keyword arguments, a tuple by position, except that its last element goes to
     the model's `labels` argument when its forward has one (Hugging Face models do).
-    Metrics go to the console, and to `run_dir` (JSONL, CSV, plot) when given: a new folder, or
-    an empty one. Started by torchrun (or `gpudl train --nproc-per-node`), every process runs
+    `val_data` (the same kinds, but not a generator: it is read at every evaluation; a dataset in
+    batches of `batch_size`) is evaluated every `eval_every` steps (0: only at the end), in eval
+    mode and without gradients: the mean loss over its samples, and what `metrics(prediction,
+    target)` returns (a dict of batch means, e.g. {"accuracy": (p.argmax(-1) == t).float().mean()}),
+    as "eval" records and as `val_<name>` in the summary. Every process evaluates all of it.
+    Metrics go to the console, and to `run_dir` (JSONL, CSV, plot, config.toml) when given: a new
+    folder, or an empty one. With a `run_dir` the run is checkpointed at the end, every
+    `checkpoint_every` steps (0: at the end only), and when SIGINT or SIGTERM stops it (after the
+    step in progress; it then says how to resume, and returns with the signal's name as
+    `summary["stopped_by"]`). `resume=RUN_DIR` continues that run from its
+    newest checkpoint, and writes there: weights, optimizer, schedule, loss scale, RNG and the data
+    position, so on the CPU it trains as if never stopped. Pass the same model (class, parameter
+    names, shapes and dtypes), data and batch_size, grad_accum, seed and processes (what differs is
+    named); max_steps may grow, lr may change. A Dataset, tensors or a list resume exactly; a
+    DataLoader is read again from its start and the batches the run consumed are skipped, so it
+    must yield the same batches again: in a run past its first pass, its shuffling needs a
+    generator of its own (`DataLoader(..., shuffle=True, generator=torch.Generator().manual_seed(0))`).
+    A generator cannot be read again and is refused. `resume="auto"` continues `run_dir` when it
+    holds a checkpoint and starts it otherwise (a script that a preemptible job reruns).
+    Started by torchrun (or `gpudl train --nproc-per-node`), every process runs
     `fit` on the same model and data: each trains on its own share of every batch (`batch_size`
     per process; an iterable's batches are dealt out in turn), with DDP by default or as
     `parallel` says. `memory_limit` ("12GiB" or bytes, per device) is enforced; a step that runs
@@ -256,24 +203,63 @@ def fit(model: nn.Module, train_data, loss: Callable | None = None, *, max_steps
     """
     limit_text = f"{memory_limit}B" if isinstance(memory_limit, int) and not isinstance(memory_limit, bool) \
         else memory_limit or ""
-    cfg = _config(parallel, train={"max_steps": max_steps, "batch_size": batch_size, "grad_accum": grad_accum,
-                                   "precision": precision, "compile": compile, "grad_clip": grad_clip,
-                                   "activation_checkpointing": activation_checkpointing, "log_every": log_every,
-                                   "eval_every": 0, "memory_limit": limit_text, "plan": plan},
+    cfg = _config(parallel, checkpoint_every,
+                  train={"max_steps": max_steps, "batch_size": batch_size, "grad_accum": grad_accum,
+                         "precision": precision, "compile": compile, "grad_clip": grad_clip,
+                         "activation_checkpointing": activation_checkpointing, "log_every": log_every,
+                         "eval_every": eval_every, "memory_limit": limit_text, "plan": plan},
                   optim={"lr": lr, "weight_decay": weight_decay, "warmup_steps": warmup_steps, "min_lr_ratio": 0.1},
                   run={"device": device, "seed": seed}, log={"progress": progress})
+    _check_pairs(checkpoint_every, run_dir, resume, val_data, metrics)
     _check_trainable(model)
+    fingerprint = module_fingerprint(model)  # as the user built it, before fit moves or casts it
     console = Console(quiet=quiet)
     session = start_session(cfg.run, console, offload=cfg.parallel.fsdp_cpu_offload)
     console = console if session.is_writer else Console(quiet=True)
-    out_dir = _new_run_dir(run_dir, session)
+    run = resolve_fit_run(run_dir, resume, session)
     prec = make_precision(cfg.train.precision, session.device)
     n_params = sum(p.numel() for p in model.parameters())
     plan_parallel(session, cfg.parallel, state_needs_sharding(n_params, prec.param_dtype.itemsize, session, cfg))
     measured_peak_flops(session.device, peak_key(prec.name))  # for MFU; measured now, not under a limit
     compiled = compile_wanted(cfg.train.compile, session.device.type)
+    user = _UserParts(model, train_data, loss, val_data, metrics, fingerprint)
     with enforce_memory_limit(session.device, cfg.train.memory_limit, compiled) as limit:
-        return _fit(model, train_data, loss, cfg, session, prec, out_dir, console, limit)
+        return _fit(user, cfg, session, prec, run, console, limit)
+
+
+@dataclass
+class _UserParts:
+    """What the user passed that is not a setting."""
+
+    model: nn.Module
+    train_data: Any
+    loss: Callable | None
+    val_data: Any
+    metrics: Callable | None
+    fingerprint: dict
+
+
+def _check_pairs(checkpoint_every: int, run_dir, resume, val_data, metrics) -> None:
+    """Keywords that need another one."""
+    if checkpoint_every and run_dir is None and resume is None:
+        raise UserError(f"checkpoint_every={checkpoint_every} saves checkpoints into the run folder: pass run_dir= too")
+    if metrics is not None and val_data is None:
+        raise UserError("metrics= are computed on the validation data: pass val_data= too")
+
+
+def _evaluation(user: _UserParts, batch_size: int, device: torch.device) -> dict:
+    """The Task's evaluation fields for `val_data` (none without it)."""
+    if user.val_data is None:
+        return {}
+    passes = as_eval_batches(user.val_data, batch_size)
+
+    def batches():
+        # Evaluation must not move the RNG training draws from (a DataLoader draws its seeds from it):
+        # a run's steps are then the same whatever eval_every is, and a resumed run's too.
+        with torch.random.fork_rng(devices=[]):
+            for batch in passes():
+                yield map_tensors(lambda t: t.to(device), batch)
+    return {"eval_fn": eval_fn_for(user.loss, user.model, user.metrics), "eval_batches": batches}
 
 
 def _planned(model, loss_fn, first, cfg: Config, session: Session, console, drawing: dict) -> tuple[Config, dict]:
@@ -290,29 +276,59 @@ def _planned(model, loss_fn, first, cfg: Config, session: Session, console, draw
     return cfg, {**drawing, "micro_batch": micro}
 
 
-def _fit(model, train_data, loss, cfg: Config, session: Session, prec, out_dir, console, limit) -> FitResult:
+def _fit(user: _UserParts, cfg: Config, session: Session, prec, run: FitRun, console, limit) -> FitResult:
     torch.manual_seed(cfg.run.seed)
-    source, first, cfg, drawing = _data(train_data, cfg, session, console)
-    loss_fn = _loss_fn(loss, model)
+    source, first, cfg, drawing = _data(user.train_data, cfg, session, console)
+    # before planning, which may cut a step otherwise: what a step trains on is what a resume must repeat
+    table = fit_table(cfg, user.model, session, _data_kind(user.train_data, source))
+    if run.resuming:
+        _check_replayable(source)
+        check_same_run(run.folder, table, session)
+    loss_fn = loss_fn_for(user.loss, user.model)
     if cfg.train.plan == "auto":
-        cfg, drawing = _planned(model, loss_fn, first, cfg, session, console, drawing)
-    # With CPU offload the weights stay on the host: FSDP moves each block to the device in turn, to shard it
-    model = model.to(prec.param_dtype) if cfg.parallel.fsdp_cpu_offload else \
-        model.to(session.device.torch_device, prec.param_dtype)
-    if limit is not None:
-        limit.hold(model)  # made before the limit: it counts all the same
+        cfg, drawing = _planned(user.model, loss_fn, first, cfg, session, console, drawing)
+    model = _placed(user.model, cfg, session, prec, limit)
     # counted on a meta copy where the weights stay on the host (CPU offload) and the batch is on the device
     work = _workload(models.meta_copy(model), loss_fn, meta_batch(first), rows(first), console) \
         if cfg.parallel.fsdp_cpu_offload else _workload(model, loss_fn, first, rows(first), console)
     model.zero_grad(set_to_none=True)  # the first step's gradients are its own batch's alone
     _same_weights_everywhere(model, session)
-    loader = DeviceLoader(source, session.device.torch_device)
-    job = build_job(model, cfg, session, prec, Task(loss_fn, loader, **drawing))
-    if out_dir is not None:
-        prepare_run_dir(out_dir, session)
+    task = Task(loss_fn, **drawing, **_evaluation(user, table["batch_size"], session.device.torch_device))
+    job = build_job(model, cfg, session, prec, task)
+    ckpt = checkpointer(run, user.fingerprint, cfg.checkpoint.keep, session)
+    state = restore(ckpt, job, cfg, session) if run.resuming else TrainState()
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=prec.name))
-    outcome = execute(Execution(session, job, cfg, TrainState(), loader, work, out_dir), console)
+    write_config(run.folder, cfg, table, session)  # only now: a refused resume changes nothing
+    # Reading a DataLoader again up to the resumed position draws from the RNG: the restored state must stay
+    with torch.random.fork_rng(devices=[]):
+        job.batches = loader = DeviceLoader(source, session.device.torch_device, start=state.batches)
+    if state.step:
+        console.print(f"Resuming at step {state.step} (batch {state.batches}) from {run.folder}", markup=False)
+    outcome = execute(Execution(session, job, cfg, state, loader, work, run.folder, ckpt), console)
     s = outcome.summary
+    if "stopped_by" in s:
+        say_stopped(console, state, cfg, s, run)
     metrics = Metrics(s["steps"], s["final_loss"], s["samples_per_s"], s["step_s"], s["mfu"], s["peak_mem_gb"],
                       work.mfu_note)
     return FitResult(job.model, metrics, outcome.records, s)
+
+
+def _placed(model: nn.Module, cfg: Config, session: Session, prec, limit) -> nn.Module:
+    # With CPU offload the weights stay on the host: FSDP moves each block to the device in turn, to shard it
+    model = model.to(prec.param_dtype) if cfg.parallel.fsdp_cpu_offload else \
+        model.to(session.device.torch_device, prec.param_dtype)
+    if limit is not None:
+        limit.hold(model)  # made before the limit: it counts all the same
+    return model
+
+
+def _data_kind(data: Any, source: Any) -> str:
+    """What kind of data a run trained on, for config.toml and a resume's check."""
+    return "dataset" if isinstance(source, DatasetBatches) else type(data).__name__
+
+
+def _check_replayable(source: Any) -> None:
+    if isinstance(source, IterableBatches) and not source.replayable:
+        raise UserError(f"cannot resume on a {type(source.batches).__name__}: it cannot be read again from its start "
+                        f"to skip the batches the run consumed; pass the data as a list of batches, a Dataset, "
+                        f"tensors or a DataLoader (in the run and in its resume)")

@@ -35,6 +35,7 @@ from ..distributed.agree import any_rank
 from ..distributed.parallelize import parallelize
 from ..models.attention import use_attention
 from .finite import finite_guard
+from .spikes import veto_for
 from .loop import Job, standard_micro_step
 from .optim import make_optimizer, make_scheduler
 from .precision import Precision
@@ -85,7 +86,14 @@ def build_job(model: nn.Module, cfg: Config, session: Session, precision: Precis
                grad_sync=placed.grad_sync, micro_step=placed.micro_step or standard_micro_step,
                clip_norm=placed.clip_norm, draws=task.draws, micro_batch=task.micro_batch,
                any_rank=_any_rank(session), device=session.device.torch_device,
-               guard=finite_guard(session.device.torch_device, optimizer))
+               guard=finite_guard(session.device.torch_device, optimizer),
+               **_spike_veto(cfg, session))
+
+
+def _spike_veto(cfg: Config, session: Session) -> dict:
+    """train.on_spike = "skip": the device veto, on the loss averaged over the data-parallel ranks."""
+    veto = veto_for(cfg.train, cfg.optim.warmup_steps, session.reduce_mean)
+    return {"spike_veto": veto} if veto is not None else {}
 
 
 def _any_rank(session: Session) -> Callable[[bool], bool]:

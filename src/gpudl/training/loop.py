@@ -39,6 +39,8 @@ class TrainState:
     nonfinite_in_a_row: int = 0
     nonfinite_total: int = 0
     micro_batch: int = 0          # rows per forward once out-of-memory recovery halved it (0: the job's)
+    loss_history: list[float] = field(default_factory=list)  # the losses loss spikes are measured against
+    spikes: int = 0               # loss spikes seen (`spikes.py`)
 
 
 def standard_micro_step(job: Job, batch: Batch, scale: float) -> torch.Tensor:
@@ -74,6 +76,9 @@ class Job:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # Skips the update of a step whose gradients are not finite, and counts such steps.
     guard: FiniteGuard = field(default_factory=HostGuard)
+    # train.on_spike = "skip": (loss, state) -> a 0-dim flag, 1 where the step's update is skipped (`spikes.py`);
+    # None where no step is vetoed.
+    spike_veto: Callable[[torch.Tensor, TrainState], torch.Tensor | None] = field(default=lambda loss, state: None)
 
 
 class Events(Protocol):
@@ -155,11 +160,11 @@ def evaluate(job: Job) -> dict[str, float]:
     sums: dict[str, torch.Tensor] = {}
     n = 0
     for batch in job.eval_batches():
-        rows = len(batch[0])  # a finite evaluation set's last batch may be smaller: weigh by rows
+        n_rows = rows(batch)  # a finite evaluation set's last batch may be smaller: weigh by rows (dicts too)
         with job.precision.autocast():
             for key, value in job.eval_fn(job.model, batch).items():
-                sums[key] = sums.get(key, 0) + value.detach().float() * rows
-        n += rows
+                sums[key] = sums.get(key, 0) + value.detach().float() * n_rows
+        n += n_rows
     job.model.train()
     return {k: float(v) / max(n, 1) for k, v in sums.items()}
 
@@ -187,7 +192,8 @@ def train_loop(job: Job, cfg: TrainConfig, state: TrainState, events: Events) ->
         state.batches += job.draws
         loss = fitting_forward_backward(job, data, state, events)
         grad_norm = clip_gradients(job, cfg.grad_clip)
-        stepped = job.guard.update(job.precision, job.optimizer, grad_norm, state)
+        veto = job.spike_veto(loss, state)
+        stepped = job.guard.update(job.precision, job.optimizer, grad_norm, state, veto)
         job.optimizer.zero_grad(set_to_none=True)
         lr = job.scheduler.get_last_lr()[0]
         advance_schedule(job.scheduler, stepped)

@@ -14,19 +14,35 @@ memory limit), or the CPU allocator's failure, a plain RuntimeError that only it
 from __future__ import annotations
 
 import gc
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from ..data.loader import map_tensors, tensors_in
+from ..data.loader import map_tensors
 from ..device.accel import empty_cache
 
 _CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: not enough memory"
 
 
 def rows(batch) -> int:
-    """Samples in `batch`: the length of its first tensor (a batch without tensors counts as one)."""
-    return next((t.shape[0] for t in tensors_in(batch) if t.dim()), 1)
+    """Samples in `batch`: the length of its first tensor with rows (a batch without tensors counts as one).
+    Asked a few times a step: it walks the batch only as far as that tensor."""
+    found = _first_rows(batch)
+    return 1 if found is None else found
+
+
+def _first_rows(batch) -> int | None:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    if isinstance(batch, Mapping):
+        batch = batch.values()
+    elif not isinstance(batch, (tuple, list)):
+        return None
+    for item in batch:
+        if (found := _first_rows(item)) is not None:
+            return found
+    return None
 
 
 def cut(batch, pieces: int) -> list:

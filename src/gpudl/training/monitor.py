@@ -25,6 +25,10 @@ from .interrupt import StopRequest
 from .loop import Job, TrainState
 from .micro import OutOfMemory
 from .session import Session
+from .spikes import LossSpike, SpikeLog
+
+SPIKES_SHOWN = 10  # loss spikes said on the console; all are recorded
+SPIKE_ACTION = {"warn": "its update was applied", "skip": "its update was skipped", "stop": "the run stops"}
 
 
 @dataclass
@@ -66,6 +70,7 @@ class Monitor:
     watch: StepWatch | None = None        # where this rank is, for stall reports (several processes)
     stop: StopRequest | None = None      # SIGINT/SIGTERM: save and stop early
     budget: StepBudget | None = None     # train.time_budget_s: decides max_steps after the first steps
+    spikes: SpikeLog | None = None       # loss spikes: records, the count, train.on_spike
     records: list[dict] = field(default_factory=list)
     _losses: list = field(default_factory=list)
     _norms: list = field(default_factory=list)
@@ -84,6 +89,8 @@ class Monitor:
         self._losses.append(loss)
         self._norms.append(grad_norm)
         self._lr = lr
+        if self.spikes is not None:
+            self.spikes.step(state)
         if self.budget is not None and self.budget.on_step(state):
             self.budget = None  # decided: train.max_steps is the run's length now
         if state.step % self.train.log_every == 0 or state.step == self.train.max_steps:
@@ -96,6 +103,7 @@ class Monitor:
         norms = torch.stack(self._norms).float().tolist()
         self._losses.clear()
         self._norms.clear()
+        self._review_spikes(state, losses)
         rates = self.throughput.window(exclude_s=self._excluded)
         self._excluded = 0.0
         wait = self.loader.wait_s if self.loader is not None else 0.0
@@ -151,9 +159,36 @@ class Monitor:
         return True
 
     def _save(self, state: TrainState) -> None:
+        if self.spikes is not None:  # a spike since the last log is known before its weights are kept
+            if self.spikes.pending:
+                pending = self._losses[-self.spikes.pending:]
+                self._review_spikes(state, self.session.reduce_mean(torch.stack(pending)).tolist())
+            self.spikes.settle(state)
         self.note(state.step, "checkpoint save")
         self.saver.save(state)
         self._saved_step = state.step
+
+    def _review_spikes(self, state: TrainState, losses: list[float]) -> None:
+        """Record and say each loss spike among the steps not yet reviewed (`losses`: their last ones)."""
+        if self.spikes is None or not self.spikes.pending:
+            return
+        for record in self.spikes.review(state, losses[-self.spikes.pending:]):
+            self._emit(record)
+            if self.progress is not None and state.spikes <= SPIKES_SHOWN:
+                more = f" (further spikes are recorded in metrics.jsonl only)" if state.spikes == SPIKES_SHOWN else ""
+                self.progress.print(f"step {record['step']:>6} · loss spike: {record['loss']:.4g} is "
+                                    f"{record['ratio']:.1f}x the recent median {record['median']:.4g} (batch "
+                                    f"{record['batch']}); {SPIKE_ACTION[self.train.on_spike]}{more}")
+            if self.train.on_spike == "stop":
+                raise self._spike_stop(record)
+
+    def _spike_stop(self, record: dict) -> LossSpike:
+        latest = self.saver.checkpointer.latest() if self.saver is not None else None
+        back = f"the newest checkpoint, {latest}, predates it" if latest else "no checkpoint predates it"
+        return LossSpike(f"loss spike at step {record['step']} (batch {record['batch']}): loss {record['loss']:.4g} "
+                         f"is {record['ratio']:.1f}x the median {record['median']:.4g} of the recent steps, and "
+                         f"train.on_spike=stop; {back}: resume from it with --set train.on_spike=skip to skip such "
+                         f"steps, or check that batch")
 
     def _emit(self, record: dict) -> None:
         self.records.append(record)

@@ -61,13 +61,16 @@ class Precision:
         if self.scaler is not None:
             self.scaler.update()
 
-    def step_unless(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    def step_unless(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor,
+                    veto: torch.Tensor | None = None) -> None:
         """The update, skipped on the device where `found_inf` (a 0-dim float32 tensor) is 1: no host read.
 
         Needs a fused optimizer, whose kernel takes `found_inf` as GradScaler hands it over. With the
-        fp16 scaler the scaler's own flag from unscaling decides, and the loss scale adapts as with `step`."""
+        fp16 scaler the scaler's own flag from unscaling decides, and the loss scale adapts as with `step`;
+        a `veto` (a loss spike) is then read on the host, as the scaler takes no flag of ours."""
         if self.scaler is not None:
-            self.scaler.step(optimizer)
+            if veto is None or not bool(veto):
+                self.scaler.step(optimizer)
             self.scaler.update()
             return
         optimizer.found_inf, optimizer.grad_scale = found_inf, None  # what the fused step reads

@@ -100,7 +100,8 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
         console = Console(quiet=True)
     precision = make_precision(cfg.train.precision, session.device)
     check_job(cfg, session.world, precision.name)
-    cfg = planned(cfg, session, console)
+    with session.during("plan agreement"):
+        cfg = planned(cfg, session, console)
     measured_peak_flops(session.device, peak_key(precision.name))  # for MFU; measured now, not under a limit
     compiled = compile_wanted(cfg.train.compile, session.device.type)
     with enforce_memory_limit(session.device, cfg.train.memory_limit, compiled):
@@ -108,19 +109,23 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
 
 
 def _train(cfg: Config, session: Session, precision: Precision, resume, console: Console) -> RunResult:
-    plan_parallel(session, cfg.parallel, shard_wanted(cfg, session))
-    spec, data = model_and_data(cfg, *session.dp)
-    run_dir, resuming = resolve_run_dir(cfg, resume, session)
-    job, work = recipe_job(cfg, spec, data, session, precision)
+    with session.during("plan agreement"):
+        plan_parallel(session, cfg.parallel, shard_wanted(cfg, session))
+        spec, data = model_and_data(cfg, *session.dp)
+        run_dir, resuming = resolve_run_dir(cfg, resume, session)
+    with session.during("model set-up"):
+        job, work = recipe_job(cfg, spec, data, session, precision)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, model_fingerprint(spec.name, spec.config),
-                        is_writer=session.is_writer)
-    state = restore_job(ckpt, job, cfg.optim.lr) if resuming else TrainState()
+                        is_writer=session.is_writer, watch=session.watch())
+    state, rng_note = restore_job(ckpt, job, cfg, session.world) if resuming else (TrainState(), None)
     if session.is_writer:
         (run_dir / "config.toml").write_text(cfg.to_toml())  # only now: a refused resume changes nothing
     loader = DeviceLoader(data.train, session.device.torch_device, start=state.batches,
                           num_workers=cfg.data.num_workers)
     job.batches = loader
     _announce(console, session, precision, spec, work, data, state, cfg.parallel.fsdp_cpu_offload)
+    if rng_note:
+        console.print(rng_note, markup=False, soft_wrap=True)
     background, why = background_saves(cfg, session, ckpt, job)
     console.print(f"Checkpoint saves: {'in the background' if background else 'blocking'} ({why})", markup=False)
     ex = Execution(session, job, cfg, state, loader, work, run_dir, ckpt, background)

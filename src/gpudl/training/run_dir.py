@@ -17,6 +17,7 @@ from torch import nn
 from .. import models
 from ..checkpoint import Checkpointer, complete_checkpoints, export_safetensors
 from ..checkpoint.files import check_like
+from ..checkpoint.streams import rng_note
 from ..config import Config
 from ..errors import UserError
 from .loop import Job, TrainState
@@ -140,14 +141,15 @@ def _follow_config_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, peak_lr: flo
         group["lr"] = peak_lr * factor(scheduler.last_epoch)
 
 
-def restore_job(ckpt: Checkpointer, job: Job, peak_lr: float) -> TrainState:
-    """Load the newest checkpoint into `job`: weights, optimizer, schedule, loss scale, RNG; the loop's state."""
+def restore_job(ckpt: Checkpointer, job: Job, cfg: Config, world: int) -> tuple[TrainState, str | None]:
+    """Load the newest checkpoint into `job`: weights, optimizer, schedule, loss scale, RNG; the loop's state,
+    and a line to print when the checkpoint was saved by another number of processes (its RNG re-seeded)."""
     path = ckpt.latest()
     if path is None:
         raise UserError(f"nothing to resume: {ckpt.folder} holds no complete checkpoint; start a new run instead")
-    extra = ckpt.load(path, job.model, job.optimizer)
+    extra = ckpt.load(path, job.model, job.optimizer, seed=cfg.run.seed)
     job.scheduler.load_state_dict(check_like(path, "scheduler", extra.get("scheduler"), job.scheduler.state_dict()))
-    _follow_config_lr(job.scheduler, peak_lr)
+    _follow_config_lr(job.scheduler, cfg.optim.lr)
     scaler, live = extra.get("scaler", {}), job.precision.state_dict()
     job.precision.load_state_dict(check_like(path, "scaler", scaler, live) if scaler and live else {})
-    return TrainState(**extra["train_state"])
+    return TrainState(**extra["train_state"]), rng_note(extra["world_size"], world)

@@ -30,6 +30,7 @@ from .finite import NonFiniteError
 from .loop import Job, TrainState, train_loop
 from .monitor import Monitor, Saver
 from .session import Session
+from .spikes import SpikeLog, SpikeVeto
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,10 @@ def make_monitor(ex: Execution, console: Console, sinks: list) -> Monitor:
         if ex.checkpointer is not None else None
     budget = StepBudget(ex.cfg, session, ex.job, progress, _config_writer(ex)) \
         if StepBudget.wanted(ex.cfg, ex.state) else None
+    veto = ex.job.spike_veto if isinstance(ex.job.spike_veto, SpikeVeto) else None
+    spikes = SpikeLog(train, ex.cfg.optim.warmup_steps, veto, ex.state) if train.spike_factor else None
     return Monitor(session=session, train=train, throughput=throughput, sinks=sinks, progress=progress,
-                   loader=ex.loader, saver=saver, watch=session.watch(), budget=budget)
+                   loader=ex.loader, saver=saver, watch=session.watch(), budget=budget, spikes=spikes)
 
 
 def background_saves(cfg: Config, session: Session, ckpt: Checkpointer,
@@ -175,7 +178,7 @@ def summarize(ex: Execution, records: list[dict], wall_s: float) -> dict:
         "processes": ex.session.world, f"{ex.work.unit}_per_s_per_device": mean("units_per_s") / ex.session.world,
         "step_s": mean("step_s"), "data_wait_frac": mean("data_wait_frac"),
         "peak_mem_gb": peak_memory_bytes(info.torch_device) / 2**30,
-        "nonfinite_steps": ex.state.nonfinite_total, "wall_s": wall_s,
+        "nonfinite_steps": ex.state.nonfinite_total, "loss_spikes": ex.state.spikes, "wall_s": wall_s,
         "params_m": ex.work.n_params / 1e6, "flops_per_sample": ex.work.flops_per_sample,
         **({"mfu_note": ex.work.mfu_note} if ex.work.mfu_note else {}),
         "run_dir": str(ex.run_dir) if ex.run_dir else None,

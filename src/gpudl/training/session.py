@@ -6,7 +6,9 @@ FSDP's CPU offload (a model larger than its one device), which FSDP runs over a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,13 +33,24 @@ class Session:
     dp_mesh: DeviceMesh | None = None   # the data-parallel ranks, flattened to one dimension
     timeout_s: int = 600
     control: dist.ProcessGroup | None = None  # a Gloo group of all ranks for host-side agreement (stop requests)
+    _watch: StepWatch | None = field(default=None, repr=False)
 
     def watch(self) -> StepWatch | None:
-        """Step notes that turn a collective timeout into a named error (None for one process)."""
-        if self.world == 1 or self.dims is None:
+        """Notes that turn a collective timeout into a named error (None for one process): one per job,
+        from the start-up on, so start-up and steps report the same way."""
+        if self.world == 1 or not dist.is_initialized():
             return None
-        layout = {k: getattr(self.dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp")}
-        return StepWatch(self.rank, self.world, layout, self.timeout_s)
+        if self._watch is None:
+            self._watch = StepWatch(self.rank, self.world, {}, self.timeout_s)
+        if self.dims is not None:
+            self._watch.set_layout({k: getattr(self.dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp")})
+        return self._watch
+
+    def during(self, phase: str, collective: str | None = None):
+        """A start-up phase whose collectives, timing out after parallel.timeout_s, name themselves and the
+        late rank (nothing to watch in one process)."""
+        watch = self.watch()
+        return watch.during(phase, collective) if watch is not None else nullcontext()
 
     @property
     def rank(self) -> int:
@@ -87,7 +100,9 @@ def start_session(run: RunConfig, console: Console, timeout_s: int = 600, init_m
         console.print(f"Using device: {info.label}{where}")
     if info.type == "cpu" and run.keep_host_memory and keep_freed_memory() and not quiet:
         console.print("Host memory: freed blocks are kept for the next step (glibc malloc tuned)")
-    control = dist.new_group(backend="gloo") if env is not None and env.world_size > 1 else None
+    # The timeout is the job's: torch's default for a new group is 30 minutes, not the default group's.
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) \
+        if env is not None and env.world_size > 1 else None
     return Session(info, env, timeout_s=timeout_s, control=control)
 
 
