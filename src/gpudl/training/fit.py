@@ -40,7 +40,7 @@ from .fit_loss import eval_fn_for, loss_fn_for
 from .fit_resume import (FitRun, check_same_run, checkpointer, fit_table, module_fingerprint, resolve_fit_run,
                          restore, say_stopped, write_config)
 from .precision import make_precision
-from .runner import Execution, Workload, execute
+from .runner import Execution, Workload, background_saves, execute
 from .session import Session, plan_parallel, start_session
 
 # The sections of a run's config that fit's keywords fill in.
@@ -304,7 +304,8 @@ def _fit(user: _UserParts, cfg: Config, session: Session, prec, run: FitRun, con
         job.batches = loader = DeviceLoader(source, session.device.torch_device, start=state.batches)
     if state.step:
         console.print(f"Resuming at step {state.step} (batch {state.batches}) from {run.folder}", markup=False)
-    outcome = execute(Execution(session, job, cfg, state, loader, work, run.folder, ckpt), console)
+    background = background_saves(cfg, session, ckpt, job)[0] if ckpt is not None else None  # checkpoint.async
+    outcome = execute(Execution(session, job, cfg, state, loader, work, run.folder, ckpt, background), console)
     s = outcome.summary
     if "stopped_by" in s:
         say_stopped(console, state, cfg, s, run)
