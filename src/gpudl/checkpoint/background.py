@@ -45,7 +45,7 @@ from .store import SINGLE_PROCESS, Checkpointer
 # "auto" stages only when this rank's buffers, times the ranks of its node, take at most this share of
 # the host's available memory: the rest is the data loader's, the page cache's (the write goes through
 # it) and everyone else's. Where they fit it is on, the CPU included: on gpt2-124m on 2 quiet cores a
-# save blocked the loop 0.42-0.45x as long and the run took 0.90-0.96x as long (docs/design.md).
+# save blocked the loop 0.46x as long and the run took 0.90x as long (docs/design.md).
 HOST_SHARE = 0.5
 
 
