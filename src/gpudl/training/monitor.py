@@ -18,6 +18,7 @@ from ..checkpoint.background import BackgroundWriter
 from ..config import TrainConfig
 from ..data import DeviceLoader
 from ..distributed.watch import StepWatch
+from ..errors import UserError
 from ..observe.metrics import Throughput, peak_memory_bytes
 from ..observe.sinks import ConsoleProgress
 from .budget import StepBudget
@@ -183,12 +184,23 @@ class Monitor:
                 raise self._spike_stop(record)
 
     def _spike_stop(self, record: dict) -> LossSpike:
-        latest = self.saver.checkpointer.latest() if self.saver is not None else None
+        latest = self._newest_checkpoint()
         back = f"the newest checkpoint, {latest}, predates it" if latest else "no checkpoint predates it"
         return LossSpike(f"loss spike at step {record['step']} (batch {record['batch']}): loss {record['loss']:.4g} "
                          f"is {record['ratio']:.1f}x the median {record['median']:.4g} of the recent steps, and "
                          f"train.on_spike=stop; {back}: resume from it with --set train.on_spike=skip to skip such "
                          f"steps, or check that batch")
+
+    def _newest_checkpoint(self):
+        """The newest complete checkpoint, once a background write in flight (of a step before now) has landed."""
+        if self.saver is None:
+            return None
+        if self.saver.background is not None:
+            try:
+                self.saver.background.wait()
+            except UserError:
+                pass  # the run is ending for another reason; a write that failed leaves the one before it newest
+        return self.saver.checkpointer.latest()
 
     def _emit(self, record: dict) -> None:
         self.records.append(record)
