@@ -177,52 +177,56 @@ def fit(model: nn.Module, train_data, loss: Callable | None = None, *, val_data=
     target)` returns (a dict of batch means, e.g. {"accuracy": (p.argmax(-1) == t).float().mean()}),
     as "eval" records and as `val_<name>` in the summary. Every process evaluates all of it.
     Metrics go to the console, and to `run_dir` (JSONL, CSV, plot, config.toml) when given: a new
-    folder, or an empty one. With a `run_dir` the run is checkpointed at the end, every
-    `checkpoint_every` steps (0: at the end only), and when SIGINT or SIGTERM stops it (after the
-    step in progress; it then says how to resume, and returns with the signal's name as
-    `summary["stopped_by"]`). `resume=RUN_DIR` continues that run from its
-    newest checkpoint, and writes there: weights, optimizer, schedule, loss scale, RNG and the data
-    position, so on the CPU it trains as if never stopped. Pass the same model (class, parameter
-    names, shapes and dtypes), data and batch_size, grad_accum, seed and processes (what differs is
-    named); max_steps may grow, lr may change. A Dataset, tensors or a list resume exactly; a
-    DataLoader is read again from its start and the batches the run consumed are skipped, so it
-    must yield the same batches again: in a run past its first pass, its shuffling needs a
-    generator of its own (`DataLoader(..., shuffle=True, generator=torch.Generator().manual_seed(0))`).
-    A generator cannot be read again and is refused. `resume="auto"` continues `run_dir` when it
-    holds a checkpoint and starts it otherwise (a script that a preemptible job reruns).
+    folder, or an empty one, checkpointed at the end, every `checkpoint_every` steps (0: at the end
+    only) and when SIGINT or SIGTERM stops it (it then says how to resume, and returns with
+    `summary["stopped_by"]`). `resume=RUN_DIR` continues that run from its newest checkpoint (weights,
+    optimizer, schedule, loss scale, RNG, data position: on the CPU bit for bit as if never stopped)
+    with the same model, data, batch_size, grad_accum, seed and processes (what differs is named);
+    max_steps may grow, lr may change. A DataLoader is read again from its start to skip what the
+    run consumed, so its shuffling needs a generator of its own (`generator=torch.Generator()
+    .manual_seed(0)`); a generator cannot be read again and is refused. `resume="auto"` continues
+    `run_dir` when it holds a checkpoint and starts it otherwise (a script a preemptible job reruns).
     Started by torchrun (or `gpudl train --nproc-per-node`), every process runs
     `fit` on the same model and data: each trains on its own share of every batch (`batch_size`
     per process; an iterable's batches are dealt out in turn), with DDP by default or as
     `parallel` says. `memory_limit` ("12GiB" or bytes, per device) is enforced; a step that runs
     out of memory, under it or the device's own, is run again with half the micro-batch.
     `activation_checkpointing`: True (or "full") recomputes each block's activations in backward,
-    "selective" all but its matmuls', attention's and convolutions' outputs.
-    `plan="auto"` traces the model on fake tensors first (nothing allocated) and trains with the
-    largest micro-batch that fits, with activation checkpointing only if nothing fits without;
-    the samples per step are kept (one process or DDP).
+    "selective" all but its matmuls', attention's and convolutions' outputs. `plan="auto"` traces
+    the model on fake tensors (nothing allocated) and trains with the largest micro-batch that fits,
+    checkpointing only if nothing fits without; the samples per step are kept (one process or DDP).
     """
-    limit_text = f"{memory_limit}B" if isinstance(memory_limit, int) and not isinstance(memory_limit, bool) \
-        else memory_limit or ""
     cfg = _config(parallel, checkpoint_every,
                   train={"max_steps": max_steps, "batch_size": batch_size, "grad_accum": grad_accum,
                          "precision": precision, "compile": compile, "grad_clip": grad_clip,
                          "activation_checkpointing": activation_checkpointing, "log_every": log_every,
-                         "eval_every": eval_every, "memory_limit": limit_text, "plan": plan},
+                         "eval_every": eval_every, "memory_limit": _limit_text(memory_limit), "plan": plan},
                   optim={"lr": lr, "weight_decay": weight_decay, "warmup_steps": warmup_steps, "min_lr_ratio": 0.1},
                   run={"device": device, "seed": seed}, log={"progress": progress})
     _check_pairs(checkpoint_every, run_dir, resume, val_data, metrics)
     _check_trainable(model)
-    fingerprint = module_fingerprint(model)  # as the user built it, before fit moves or casts it
+    user = _UserParts(model, train_data, loss, val_data, metrics, module_fingerprint(model))  # before it moves
     console = Console(quiet=quiet)
     session = start_session(cfg.run, console, offload=cfg.parallel.fsdp_cpu_offload)
     console = console if session.is_writer else Console(quiet=True)
-    run = resolve_fit_run(run_dir, resume, session)
+    return _start(user, cfg, session, resolve_fit_run(run_dir, resume, session), console)
+
+
+def _limit_text(memory_limit: str | int | None) -> str:
+    """fit's memory_limit as train.memory_limit takes it: bytes as "<n>B", a size as it is, none as ""."""
+    if isinstance(memory_limit, int) and not isinstance(memory_limit, bool):
+        return f"{memory_limit}B"
+    return memory_limit or ""
+
+
+def _start(user: _UserParts, cfg: Config, session: Session, run: FitRun, console) -> FitResult:
+    """The layout, the peak for MFU and the memory limit, then the run."""
+    model = user.model
     prec = make_precision(cfg.train.precision, session.device)
     n_params = sum(p.numel() for p in model.parameters())
     plan_parallel(session, cfg.parallel, state_needs_sharding(n_params, prec.param_dtype.itemsize, session, cfg))
     measured_peak_flops(session.device, peak_key(prec.name))  # for MFU; measured now, not under a limit
     compiled = compile_wanted(cfg.train.compile, session.device.type)
-    user = _UserParts(model, train_data, loss, val_data, metrics, fingerprint)
     with enforce_memory_limit(session.device, cfg.train.memory_limit, compiled) as limit:
         return _fit(user, cfg, session, prec, run, console, limit)
 
