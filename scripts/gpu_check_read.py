@@ -329,3 +329,18 @@ def serve_load(out: Path, name: str) -> dict:
 
 def _ratio(a: dict, b: dict | None, key: str) -> float | None:
     return a[key] / b[key] if b and b.get(key) else None
+
+
+# --- benchmarks/checkpoint_stall.py (it prints) -----------------------------------------------------------
+
+STALL = re.compile(r"^  (stall_s|end_wait_s|wall_s)\s+blocking\s+([\d.]+) s\s+background\s+([\d.]+) s"
+                   r"(?:\s+ratio of medians ([\d.]+), median of the rounds' ratios ([\d.]+))?")
+
+
+def checkpoint_stall(out: Path, name: str) -> dict:
+    lines = _log(out, name)
+    setup = next((ln for ln in lines if " parameters) on " in ln), None)
+    rows = {m[1]: {"blocking_s": float(m[2]), "background_s": float(m[3]),
+                   **({"ratio": float(m[4]), "rounds_ratio": float(m[5])} if m[4] else {})}
+            for ln in lines if (m := STALL.match(ln))}
+    return {"source": f"{name}.log", "setup": setup, "rows": rows} if rows else {}

@@ -41,6 +41,8 @@ PHASES = [
      read.peers),
     ("peers-defaults", "the same, each with its own defaults (benchmarks/peers.py)", read.peers),
     ("train", "the default training run, `gpudl train`", read.train),
+    ("checkpoint-stall", "how long a save blocks the loop, checkpoint.async off and on (benchmarks/checkpoint_stall.py)",
+     read.checkpoint_stall),
     ("serve-load", "serving with batching against batch-1 and plain (benchmarks/serve_load.py; on the GPU in a real run)",
      read.serve_load),
 ]
@@ -203,6 +205,13 @@ def render_serve(f: dict) -> list[str]:
         + (table(["model", "alone: a batch of 32 against one (the most batching can buy)"], alone) if alone else [])
 
 
+def render_stall(f: dict) -> list[str]:
+    words = {"stall_s": "blocked per save", "end_wait_s": "wait for the last write", "wall_s": "the whole loop"}
+    rows = [[words[k], fmt(r["blocking_s"], ".2f", " s"), fmt(r["background_s"], ".2f", " s"),
+             fmt(r.get("rounds_ratio"), ".2f", "×")] for k, r in f["rows"].items()]
+    return [f["setup"] or "", ""] + table(["", "blocking", "background", "background / blocking"], rows)
+
+
 def render_nothing(f: dict) -> list[str]:
     return []
 
@@ -210,7 +219,7 @@ def render_nothing(f: dict) -> list[str]:
 READER = {name: reader for name, _, reader in PHASES}
 RENDER = {read.info_tree: render_info_tree, read.info_json: render_info_json, read.tests: render_tests,
           read.bench: render_bench, read.overhead: render_overhead, read.peers: render_peers, read.train: render_train,
-          read.memory_accuracy: render_memory, read.serve_load: render_serve}
+          read.memory_accuracy: render_memory, read.serve_load: render_serve, read.checkpoint_stall: render_stall}
 
 
 def check(out: Path) -> list[str]:
