@@ -7,10 +7,11 @@ batches already on the device: separate copies differ by a few percent in speed 
 `train_loop` with its finiteness guard and the run's metrics monitor (throughput, MFU,
 memory, JSONL/CSV files). The figure is the median over rounds of (gpudl time / raw time) - 1.
 
-Each round times each loop `--repeats` times, alternating, and keeps each loop's fastest: on a
-shared machine other work only ever adds time, so the minimum is the loop's own cost and the
-round's ratio stays put when a neighbour's burst lands on one side. The median's 95% interval
-(bootstrap over rounds) says how well the run resolves the overhead.
+Each round times the two loops `--repeats` times, alternating, and its ratio is the median of
+the ratios of the timings taken side by side: on a shared machine the speed drifts by tens of
+percent over seconds, so only timings a step apart compare, and the median leaves out a
+neighbour's burst that lands on one side. The median's 95% interval (bootstrap over rounds)
+says how well the run resolves the overhead.
 
 `--model linear` times the loop's own machinery: an 8 -> 2 linear layer on batches of 4, where
 the loop is nearly all there is, so the difference is what gpudl adds per step in microseconds.
@@ -53,9 +54,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--device", default="auto")
     p.add_argument("--precision", default="auto")
-    p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--steps", type=int, default=5, help="steps per loop per round")
-    p.add_argument("--repeats", type=int, default=3, help="timings of each loop per round; the fastest counts")
+    p.add_argument("--rounds", type=int, default=24)
+    p.add_argument("--steps", type=int, default=2, help="steps per timing")
+    p.add_argument("--repeats", type=int, default=9, help="timings of each loop per round, alternating")
     return p.parse_args()
 
 
@@ -130,7 +131,7 @@ def main() -> None:
                 t[fn].append(timed(fn, dev))
         ours, theirs = min(t[run_ours]) / args.steps, min(t[run_theirs]) / args.steps
         if r:
-            ratios.append(ours / theirs)
+            ratios.append(statistics.median(a / b for a, b in zip(t[run_ours], t[run_theirs])))
             ours_s.append(ours)
             raw_s.append(theirs)
             print(f"round {r:>2}: gpudl {1e3 * ours:8.3f} ms/step · raw {1e3 * theirs:8.3f} ms/step · "
