@@ -40,11 +40,10 @@ def test_one_ranks_loss_spike_is_skipped_on_every_rank_as_one_process_skips_a_na
     ref = train(load_config(None, on(device, [*spike, "train.batch_size=8", f"run.dir={tmp_path}", "run.name=ref"])),
                 console=Console(quiet=True))
     assert ref.summary["nonfinite_steps"] == 1
-    for layout in (["parallel.dp_replicate=2"], ["parallel.dp_shard=2"]):
-        ranks = run_ranks("train_poisoned", 2, tmp_path / layout[0], device, rank=1, step=25, factor=200.0,
-                          sets=[*layout, *spike, f"run.dir={tmp_path}/{layout[0]}", "run.name=spike"])
-        assert [r["summary"]["loss_spikes"] for r in ranks] == [1, 1], layout
-        assert [r["summary"]["nonfinite_steps"] for r in ranks] == [0, 0], layout
-        for name, p in ref.model.state_dict().items():
-            assert torch.allclose(ranks[0]["params"][name], p.detach().cpu(), atol=tolerance(device), rtol=0), \
-                (layout, name)
+    # DDP: had rank 0 not skipped too, its weights would not be the reference's (FSDP reduces the loss alike)
+    ranks = run_ranks("train_poisoned", 2, tmp_path, device, rank=1, step=25, factor=200.0,
+                      sets=["parallel.dp_replicate=2", *spike, f"run.dir={tmp_path}", "run.name=spike"])
+    assert [r["summary"]["loss_spikes"] for r in ranks] == [1, 1]
+    assert [r["summary"]["nonfinite_steps"] for r in ranks] == [0, 0]
+    for name, p in ref.model.state_dict().items():
+        assert torch.allclose(ranks[0]["params"][name], p.detach().cpu(), atol=tolerance(device), rtol=0), name
