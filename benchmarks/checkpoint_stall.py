@@ -9,7 +9,7 @@ carries what the background write costs the steps it runs beside. The figures ar
 rounds and the ratios async / blocking: of the medians, and the median of each round's own ratio
 (a round's two runs share the machine's load of the moment).
 
-    python benchmarks/checkpoint_stall.py                      # gpt2-124m on the CPU, 3 rounds
+    python benchmarks/checkpoint_stall.py                      # gpt2-124m on the CPU, 2 rounds
     python benchmarks/checkpoint_stall.py --config gpt-1b --device cuda --set train.batch_size=4
 """
 
@@ -35,9 +35,11 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="gpt2-124m")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--every", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12)
+    # a save every 4 steps: on 2 CPU cores a write of gpt2-124m ends before the next save, as in a real run
+    # (a save every 200 steps); closer saves also wait for the write before them (one save in flight)
+    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--set", action="append", default=[], dest="sets", help="more --set section.key=value")
     return p.parse_args()
 

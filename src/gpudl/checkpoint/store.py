@@ -138,12 +138,16 @@ def vet(ckpt: Path) -> dict:
 
 def _all_finite(model: nn.Module, collective: bool = True) -> bool:
     """Every rank's weights are finite (one collective: each rank checks the parameters it holds)."""
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    flags = [torch.isfinite(p.detach()).all() for p in local]
+    return all_finite([p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()], collective)
+
+
+def all_finite(tensors: list[torch.Tensor], collective: bool = True, group: dist.ProcessGroup | None = None) -> bool:
+    """Every rank's `tensors` are finite (one collective over `group`: each rank checks its own)."""
+    flags = [torch.isfinite(t.detach()).all() for t in tensors]
     home = flags[0].device  # weights FSDP's CPU offload keeps on the host answer there: their flags join the rest
     ok = torch.stack([f.to(home) for f in flags]).all().to(torch.int32)
     if collective and dist.is_initialized():
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     return bool(ok)
 
 
@@ -189,15 +193,19 @@ class Checkpointer:
         self.complete(step, tmp, final, extra)
         return final
 
-    def begin(self, step: int, model: nn.Module) -> tuple[Path, Path]:
-        """Checkpoint `step`'s folder and its empty `.tmp` stand-in; refused for weights that are not finite."""
+    def begin(self, step: int, model: nn.Module, check_finite: bool = True) -> tuple[Path, Path]:
+        """Checkpoint `step`'s folder and its empty `.tmp` stand-in; refused for weights that are not finite
+        (`check_finite=False`: the caller checks them itself, as a background save checks its copy)."""
         final = self.folder / f"{PREFIX}{step:08d}"
         tmp = self.folder / f"{final.name}.tmp"
-        if not _all_finite(model):
-            raise UserError(f"the weights are not finite (NaN or Inf) at step {step}: no checkpoint written, "
-                            f"{self._kept()}; lower optim.lr, or use precision=bf16-mixed or fp32")
+        if check_finite and not _all_finite(model):
+            raise self.not_finite(step)
         self._on_writer(lambda: (shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True)), step, tmp)
         return final, tmp
+
+    def not_finite(self, step: int) -> UserError:
+        return UserError(f"the weights are not finite (NaN or Inf) at step {step}: no checkpoint written, "
+                         f"{self._kept()}; lower optim.lr, or use precision=bf16-mixed or fp32")
 
     @staticmethod
     def state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
