@@ -85,6 +85,12 @@ class HostGuard:
         self._longest = max(self._longest, state.nonfinite_in_a_row)
         return finite
 
+    def count_flags(self, flags: list[float], state: TrainState) -> None:
+        """Count steps decided elsewhere (a flag of 1.0: not finite), in order, carrying on a resumed run's streak."""
+        self._longest = max(self._longest, state.nonfinite_in_a_row)
+        for flag in flags:
+            self.count(not flag, state)
+
     def settle(self, state: TrainState) -> int:
         return self._longest
 
@@ -112,12 +118,9 @@ class DeviceGuard:
 
     def settle(self, state: TrainState) -> int:
         if self._flags:
-            flags = torch.stack(self._flags).tolist()  # one device -> host transfer
+            self._host.count_flags(torch.stack(self._flags).tolist(), state)  # one device -> host transfer
             self._flags.clear()
-            self._host._longest = max(self._host._longest, state.nonfinite_in_a_row)  # a resumed run's
-            for flag in flags:
-                self._host.count(not flag, state)
-        return max(self._host._longest, state.nonfinite_in_a_row)
+        return max(self._host.settle(state), state.nonfinite_in_a_row)
 
 
 def finite_guard(device: torch.device, optimizer: torch.optim.Optimizer) -> FiniteGuard:
