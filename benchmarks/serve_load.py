@@ -55,7 +55,7 @@ def export(kind: str, folder: Path) -> Path:
     sets = ["model.name=resnet18", f"data.image_size={IMAGE}", "data.kind=images"] if kind == "resnet" else \
         ["model.name=gpt-tiny"]
     cfg = load_config(None, sets)
-    spec = models.resolve(cfg.model.name, cfg.model.overrides)
+    spec = models.from_config(cfg)
     model = models.build(spec, "cpu")
     model.init_weights()
     folder.mkdir(parents=True)

@@ -29,10 +29,9 @@ def cmd_info(args, console: Console) -> int:
 
     if args.models:
         table = Table("preset", "description", "parameters")
-        for name in models.PRESETS:
-            spec = models.resolve(name)
-            n = models.parameter_count(spec)
-            table.add_row(name, models.describe(spec), f"{n / 1e6:,.1f}M")
+        for name in models.PRESETS:  # described as declared (a ResNet's stem: the rule); counted at 32 px
+            n = models.parameter_count(models.resolve(name))
+            table.add_row(name, models.describe(models.preset(name)), f"{n / 1e6:,.1f}M")
         console.print(table)
         return 0
     if args.recipes:
@@ -185,8 +184,8 @@ def cmd_plan(args, console: Console) -> int:
         local_machine(args.device or "auto", args.nproc_per_node, args.nnodes, limit)
     if args.json:
         console = Console(stderr=True)
-    console.print(f"Tracing one training step of {cfg.model.name} per layout on fake tensors "
-                  f"(nothing is allocated) ...")
+    console.print(f"Tracing one training step of {cfg.model.name} ({models.describe(models.from_config(cfg))}) "
+                  f"per layout on fake tensors (nothing is allocated) ...", markup=False, soft_wrap=True)
     result = plan(cfg, machine)
     if args.json:
         _print_json(plan_json(result))

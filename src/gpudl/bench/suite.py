@@ -109,7 +109,7 @@ def make_plan(*, model_names: list[str] = (), config: str | None = None, sets: l
         raise UserError(f"--steps must be >= 1, --warmup >= 0 and --max-seconds > 0, got {timing.steps}, "
                         f"{timing.warmup} and {timing.max_seconds}")
     configs = model_configs(list(model_names), config, list(sets), batch_size)
-    specs = {name: models.resolve(c.model.name, c.model.overrides) for name, c in configs.items()}
+    specs = {name: models.from_config(c) for name, c in configs.items()}
     infos = bench_devices(list(devices))
     return Plan(configs=configs, devices=infos, precisions=device_precisions(infos, list(precisions)),
                 compile=tuple(compile), timing=timing, specs=specs)

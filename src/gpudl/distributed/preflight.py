@@ -19,7 +19,7 @@ from .mesh import ParallelDims
 
 def check_job(cfg: Config, world: int, precision_name: str) -> None:
     """Refuse, in one line, a job whose model, degrees or data cannot run on `world` processes."""
-    spec = models.resolve(cfg.model.name, cfg.model.overrides)
+    spec = models.from_config(cfg)
     p = cfg.parallel
     if p.tp > 1 or p.pp > 1:
         meta = models.build_meta(spec)

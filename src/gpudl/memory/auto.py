@@ -76,7 +76,7 @@ def shard_wanted(cfg: Config, session: Session) -> bool:
         except UserError:
             from ..training.precision import param_dtype_of
 
-            n = models.parameter_count(models.resolve(cfg.model.name, cfg.model.overrides))
+            n = models.parameter_count(models.from_config(cfg))
             verdict = state_needs_sharding(n, param_dtype_of(cfg.train.precision).itemsize, session, cfg)
     return bool(session.agree(verdict))
 

@@ -33,7 +33,7 @@ SHALLOW = (4, 5)  # blocks traced; a model of at most the deeper is traced whole
 
 def blocks_of(cfg: Config) -> int | None:
     """The model's repeated blocks, when a trace can take it at another depth (a GPT); else None."""
-    spec = models.resolve(cfg.model.name, cfg.model.overrides)
+    spec = models.from_config(cfg)
     return spec.config.n_layer if spec.family == "gpt" else None
 
 

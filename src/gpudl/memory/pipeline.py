@@ -163,7 +163,7 @@ def rank_peaks(cfg: Config, example: tuple[torch.Tensor, ...], session=None) -> 
     rank 0's, where data or tensor parallelism runs beside the pipeline (`trace_rank`)."""
     p = cfg.parallel
     n_stages = p.pp * p.pp_stages_per_rank
-    layers = stage_layers(models.resolve(cfg.model.name, cfg.model.overrides).config.n_layer, n_stages)
+    layers = stage_layers(models.from_config(cfg).config.n_layer, n_stages)
     traced: dict[tuple, tuple[list[int], RankTrace]] = {}
     peaks = []
     for r in range(p.pp):
@@ -188,7 +188,7 @@ def pipeline_possible(cfg: Config, pp: int, batch_size: int | None = None) -> bo
 
     p = dataclasses.replace(cfg.parallel, pp=pp)
     try:
-        check_model(models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides)), pp,
+        check_model(models.build_meta(models.from_config(cfg)), pp,
                     pp * p.pp_stages_per_rank)
         check_schedule(p, batch_size, cfg.train.precision)
     except UserError:
@@ -210,7 +210,7 @@ def pipeline_seconds(cfg: Config, compute_s: float, link_b_s: float) -> float:
     if p.pp == 1:
         return 0.0
     n, v = p.pp_microbatches, p.pp_stages_per_rank
-    spec = models.resolve(cfg.model.name, cfg.model.overrides)
+    spec = models.from_config(cfg)
     width = param_dtype_of(train.precision).itemsize  # the residual stream's dtype: the parameters'
     activation = train.batch_size // n * spec.config.block_size * spec.config.d_model * width
     sends = train.grad_accum * n * v * 2 * activation

@@ -83,7 +83,7 @@ def plus(a: Parts, b: Parts, sign: int = 1) -> Parts:
 def trace_rank(cfg: Config, pp_rank: int, example: tuple[torch.Tensor, ...], session=None) -> RankTrace:
     """Pipeline rank `pp_rank`'s model, split and prepared as training does it, traced phase by phase.
     `session`: rank 0's of a job with data or tensor parallelism beside the pipeline (its mesh), else None."""
-    spec = models.resolve(cfg.model.name, cfg.model.overrides)
+    spec = models.from_config(cfg)
     device = cpu_info()  # traced on this CPU's fake tensors, which may take any precision
     precision = make_precision(cfg.train.precision, dataclasses.replace(device, bf16=True, fp16=True))
     p = cfg.parallel

@@ -191,7 +191,7 @@ def _made_whole(cfg: Config, machine: Machine, strategy: str, parallel: dict) ->
     only its rank's stages)."""
     if int(parallel.get("parallel.pp", 1)) > 1:
         return None
-    whole = models.parameter_count(models.resolve(cfg.model.name, cfg.model.overrides)) * \
+    whole = models.parameter_count(models.from_config(cfg)) * \
         param_dtype_of(cfg.train.precision).itemsize
     if whole * (1 + MARGIN) <= machine.usable:
         return None
@@ -229,7 +229,7 @@ def _check_request(cfg: Config, machine: Machine) -> None:
     from ..distributed.preflight import check_job
 
     check_job(cfg, machine.world, cfg.train.precision)
-    model = models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides))
+    model = models.build_meta(models.from_config(cfg))
     n = sum(p.numel() for p in model.parameters())
     if machine.device_type == "cpu":
         least = training_state_bytes(n, param_dtype_of(cfg.train.precision).itemsize) // machine.world
@@ -314,7 +314,7 @@ def _tp_possible(cfg: Config, tp: int) -> bool:
     from ..distributed.tensor import check_tp
 
     try:
-        check_tp(models.build_meta(models.resolve(cfg.model.name, cfg.model.overrides)), tp, False)
+        check_tp(models.build_meta(models.from_config(cfg)), tp, False)
     except UserError:
         return False
     return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from .. import models
 from .oom import explain
 from .plan import MARGIN, Candidate, Plan
 
@@ -60,7 +61,8 @@ def _faster(ratio: float) -> str:
 
 
 def plan_json(p: Plan) -> dict:
-    return {"machine": {"name": p.machine.name, "usable_bytes": p.machine.usable, "world": p.machine.world},
+    return {"model": models.describe(models.from_config(p.cfg)),
+            "machine": {"name": p.machine.name, "usable_bytes": p.machine.usable, "world": p.machine.world},
             "global_batch": p.global_batch, "margin": MARGIN,
             "candidates": [{"layout": c.strategy, "activation_checkpointing": c.activation_checkpointing,
                             "micro_batch": c.micro_batch, "grad_accum": c.grad_accum, "sets": c.sets,

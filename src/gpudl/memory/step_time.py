@@ -82,7 +82,7 @@ def _offload_seconds(c, job: Config, machine) -> float:
 
     if not offloads_to_host(job):
         return 0.0
-    spec = models.resolve(job.model.name, job.model.overrides)
+    spec = models.from_config(job)
     d = dims_of(job, machine.world)
     shard = models.parameter_count(spec) / (d.dp_shard * d.tp * d.pp)
     state_bytes = param_dtype_of(job.train.precision).itemsize  # the host's weights and gradients
@@ -92,7 +92,7 @@ def _offload_seconds(c, job: Config, machine) -> float:
 
 
 def _communication_seconds(c, cfg: Config, machine) -> float:
-    spec = models.resolve(cfg.model.name, cfg.model.overrides)
+    spec = models.from_config(cfg)
     n_params = models.parameter_count(spec)
     w = machine.world
     link = machine.link_b_s if machine.nnodes == 1 else min(machine.link_b_s, NODE_LINK_B_S)

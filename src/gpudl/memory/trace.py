@@ -67,7 +67,7 @@ def trace_step(cfg: Config, session: Session, example: tuple[torch.Tensor, ...],
     `cfg.train.batch_size` is the micro-batch traced. `ddp`: the one-process job with DDP's
     gradient buckets in it (`_DDPBuckets`), as one rank of a DDP job holds them.
     """
-    spec = models.resolve(cfg.model.name, cfg.model.overrides)
+    spec = models.from_config(cfg)
     return trace_model(_meta_model(spec), models.loss_for(spec), cfg, session, example, ddp)
 
 

@@ -3,6 +3,8 @@
 >>> spec = resolve("gpt-tiny", {"n_layer": 2})
 >>> spec.family, spec.config.n_layer
 ('gpt', 2)
+>>> resolve("resnet50", image_size=224).config.small_stem  # "auto": the ImageNet stem above 64 px
+False
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import copy
 import dataclasses
 from collections.abc import Iterable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,8 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import UserError, did_you_mean, unknown_name
 from ..config.settings import check_value, field_types
+from ..config.tree import DataConfig
 from .gpt import GPT, GPTConfig
-from .resnet import ResNet, ResNetConfig
+from .resnet import STEM_RULE, ResNet, ResNetConfig, small_stem_for
 
 FAMILIES: dict[str, tuple[type, type[nn.Module]]] = {"gpt": (GPTConfig, GPT), "resnet": (ResNetConfig, ResNet)}
 
@@ -45,21 +48,34 @@ PRESETS: dict[str, tuple[str, Any]] = {
 }
 
 
+DEFAULT_IMAGE_SIZE = DataConfig().image_size  # what a model resolved without a run's config is sized for
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """A resolved model: its preset name, family and the family's own config."""
+    """A resolved model: its preset name, family and the family's own config (no "auto" left in it)."""
 
     name: str
     family: str
     config: Any
+    # settings that were "auto", each with what decided it: {"small_stem": 224} (the image size)
+    auto: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def is_language_model(self) -> bool:
         return self.family == "gpt"
 
 
-def resolve(name: str, overrides: dict[str, Any] | None = None) -> ModelSpec:
-    """The preset `name` with `overrides` applied, each checked against the family's fields."""
+def from_config(cfg, fitted: dict[str, Any] | None = None) -> ModelSpec:
+    """The model a run's config describes, as every path (train, plan, bench, serve) resolves it: the
+    preset with `[model]`'s settings over `fitted` (what the data implies: classes, channels), its
+    "auto" settings decided by the run's data (a ResNet's stem by `data.image_size`)."""
+    return resolve(cfg.model.name, {**(fitted or {}), **cfg.model.overrides}, cfg.data.image_size)
+
+
+def resolve(name: str, overrides: dict[str, Any] | None = None, image_size: int = DEFAULT_IMAGE_SIZE) -> ModelSpec:
+    """The preset `name` with `overrides` applied, each checked against the family's fields, and every
+    setting left to "auto" decided for images of side `image_size` (a run's own: `from_config`)."""
     if name not in PRESETS:
         raise unknown_name("model", name, PRESETS)
     family, base = PRESETS[name]
@@ -72,7 +88,22 @@ def resolve(name: str, overrides: dict[str, Any] | None = None) -> ModelSpec:
             raise UserError(f"unknown setting 'model.{key}' for {family} model {name!r}{did_you_mean(key, fields)}; "
                             f"[model] takes: name, {', '.join(fields)}")
         changes[key] = check_value(f"model.{key}", types[key], value, dict(fields[key].metadata))
-    return ModelSpec(name, family, dataclasses.replace(base, **changes))
+    config, auto = _decide_auto(family, dataclasses.replace(base, **changes), image_size)
+    return ModelSpec(name, family, config, auto)
+
+
+def _decide_auto(family: str, config: Any, image_size: int) -> tuple[Any, dict[str, Any]]:
+    """`config` with its "auto" settings decided, and what decided each. A value set explicitly stays."""
+    if family == "resnet" and config.small_stem == "auto":
+        return dataclasses.replace(config, small_stem=small_stem_for(image_size)), {"small_stem": image_size}
+    return config, {}
+
+
+def preset(name: str) -> ModelSpec:
+    """The preset as declared, "auto" settings undecided: to describe (`gpudl info --models`), not to build."""
+    if name not in PRESETS:
+        raise unknown_name("model", name, PRESETS)
+    return ModelSpec(name, *PRESETS[name])
 
 
 def build(spec: ModelSpec, device: torch.device, dtype: torch.dtype = torch.float32,
@@ -156,8 +187,15 @@ def describe(spec: ModelSpec) -> str:
     c = spec.config
     if spec.family == "gpt":
         return f"GPT {c.n_layer} layers, {c.n_head} heads, width {c.d_model}, context {c.block_size}, vocab {c.vocab_size}"
-    return f"ResNet-{c.depth}, {c.num_classes} classes, {'small' if c.small_stem else 'ImageNet'} stem"
+    return f"ResNet-{c.depth}, {c.num_classes} classes, {_stem(spec)}"
 
 
-__all__ = ["GPT", "GPTConfig", "ResNet", "ResNetConfig", "PRESETS", "ModelSpec", "resolve", "build",
-           "build_meta", "materialize", "loss_for", "describe"]
+def _stem(spec: ModelSpec) -> str:
+    if spec.config.small_stem == "auto":  # a preset as declared: the rule
+        return STEM_RULE
+    stem = "small stem" if spec.config.small_stem else "ImageNet stem"
+    return f"{stem} (auto: {spec.auto['small_stem']} px images)" if "small_stem" in spec.auto else stem
+
+
+__all__ = ["GPT", "GPTConfig", "ResNet", "ResNetConfig", "PRESETS", "ModelSpec", "from_config", "resolve", "preset",
+           "build", "build_meta", "materialize", "loss_for", "describe"]

@@ -1,10 +1,13 @@
 """ResNet-18/34/50/101/152 (He et al. 2015), with a small-image stem for 32x32 inputs.
 
 The ImageNet stem (7x7 stride-2 conv + max-pool) shrinks a 32x32 image to 8x8 before the
-first stage; `small_stem` uses one 3x3 stride-1 conv instead, as CIFAR-sized work needs.
+first stage; `small_stem` uses one 3x3 stride-1 conv instead, as CIFAR-sized work needs. At
+224 px that small stem costs about 16x the FLOPs and activations of the standard network, so
+`small_stem = "auto"` (the default) follows the image size: small up to 64 px, ImageNet above.
+`models.resolve` decides it; a ResNet is built with true or false, never "auto".
 
 >>> import torch
->>> m = ResNet(ResNetConfig(depth=18, num_classes=10)); m.init_weights()
+>>> m = ResNet(ResNetConfig(depth=18, num_classes=10, small_stem=True)); m.init_weights()
 >>> m(torch.zeros(2, 3, 32, 32)).shape
 torch.Size([2, 10])
 """
@@ -12,6 +15,7 @@ torch.Size([2, 10])
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -22,6 +26,13 @@ from ..config.settings import option
 # depth -> (block type, blocks per stage)
 LAYOUTS = {18: ("basic", (2, 2, 2, 2)), 34: ("basic", (3, 4, 6, 3)), 50: ("bottleneck", (3, 4, 6, 3)),
            101: ("bottleneck", (3, 4, 23, 3)), 152: ("bottleneck", (3, 8, 36, 3))}
+SMALL_STEM_MAX = 64  # px: images up to this side get the small stem when small_stem is "auto"
+STEM_RULE = f"stem by data.image_size: small up to {SMALL_STEM_MAX} px, ImageNet above, unless model.small_stem is set"
+
+
+def small_stem_for(image_size: int) -> bool:
+    """What `small_stem = "auto"` becomes for square images of side `image_size`."""
+    return image_size <= SMALL_STEM_MAX
 
 
 @dataclass(kw_only=True)
@@ -29,7 +40,9 @@ class ResNetConfig:
     depth: int = option(18, "18 | 34 | 50 | 101 | 152")
     num_classes: int = option(10, "output classes", ge=2)
     in_channels: int = option(3, "image channels", ge=1)
-    small_stem: bool = option(True, "3x3 stride-1 stem for small images (32x32); false: ImageNet stem")
+    small_stem: bool | Literal["auto"] = option(
+        "auto", "true: 3x3 stride-1 stem for small images (32x32); false: the ImageNet stem (7x7 stride 2 + "
+                f"max-pool); auto: small up to {SMALL_STEM_MAX} px images (data.image_size), ImageNet above")
     width: int = option(64, "channels of the first stage", ge=8)
     channels_last: bool = option(True, "keep convolution weights, and so activations, in channels-last (NHWC) "
                                        "layout: the layout oneDNN and tensor-core convolutions run fastest in")
@@ -78,6 +91,9 @@ class ResNet(nn.Module):
         kind, counts = LAYOUTS[cfg.depth]
         block = BasicBlock if kind == "basic" else Bottleneck
         w = cfg.width
+        if not isinstance(cfg.small_stem, bool):
+            raise UserError(f"ResNet needs small_stem true or false, got {cfg.small_stem!r}: build it through "
+                            f"gpudl.models.resolve(..., image_size=...), which decides \"auto\", or set it")
         if cfg.small_stem:
             self.stem = nn.Sequential(*_conv_bn(cfg.in_channels, w, 3), nn.ReLU(inplace=True))
         else:

@@ -176,7 +176,7 @@ def _spec(file: Path, folder: Path, meta: dict[str, str]) -> models.ModelSpec:
     from ..config import load_config
 
     cfg = load_config(config)
-    return models.resolve(cfg.model.name, cfg.model.overrides)
+    return models.from_config(cfg)
 
 
 def _image_size(folder: Path, meta: dict[str, str], spec: models.ModelSpec) -> int | None:

@@ -43,7 +43,7 @@ from .session import Session
 
 
 def model_and_data(cfg: Config, rank: int = 0, world: int = 1) -> tuple[models.ModelSpec, Data]:
-    spec = models.resolve(cfg.model.name, cfg.model.overrides)
+    spec = models.from_config(cfg)
     # A step's rows come in one batch, cut into micro-batches by the loop: how a step is cut never
     # changes what it trains on (training/micro.py). Evaluation takes micro-batch-sized batches.
     data = build_data(cfg.data, spec, cfg.train.batch_size * cfg.train.grad_accum, cfg.run.seed, rank, world,
@@ -53,7 +53,7 @@ def model_and_data(cfg: Config, rank: int = 0, world: int = 1) -> tuple[models.M
             raise UserError(f"model.{key}={cfg.model.overrides[key]} does not match the data, which has {value}: "
                             f"drop the setting or set --set model.{key}={value}")
     if data.model_fit:
-        spec = models.resolve(cfg.model.name, {**data.model_fit, **cfg.model.overrides})
+        spec = models.from_config(cfg, data.model_fit)
     return spec, data
 
 
