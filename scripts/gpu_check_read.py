@@ -344,3 +344,12 @@ def checkpoint_stall(out: Path, name: str) -> dict:
                    **({"ratio": float(m[4]), "rounds_ratio": float(m[5])} if m[4] else {})}
             for ln in lines if (m := STALL.match(ln))}
     return {"source": f"{name}.log", "setup": setup, "rows": rows} if rows else {}
+
+
+def input_pipeline(out: Path, name: str) -> dict:
+    """benchmarks/input_pipeline.py's JSON; cut short, the loader and train lines its log has."""
+    doc = _json(out / f"{name}.json")
+    if isinstance(doc, dict):
+        return {"source": f"{name}.json", "loader": doc.get("loader", []), "train": doc.get("train")}
+    lines = [ln for ln in _log(out, name) if ln.startswith(("loader · ", "train · "))]
+    return {"source": f"{name}.log (no JSON: the phase did not finish; its lines)", "lines": lines} if lines else {}

@@ -41,6 +41,8 @@ PHASES = [
      read.peers),
     ("peers-defaults", "the same, each with its own defaults (benchmarks/peers.py)", read.peers),
     ("train", "the default training run, `gpudl train`", read.train),
+    ("input-pipeline", "ResNet-50 from a folder of JPEGs against generated batches, and the loader alone per decode "
+                       "path (benchmarks/input_pipeline.py)", read.input_pipeline),
     ("checkpoint-stall", "how long a save blocks the loop, checkpoint.async off and on (benchmarks/checkpoint_stall.py)",
      read.checkpoint_stall),
     ("serve-load", "serving with batching against batch-1 and plain (benchmarks/serve_load.py; on the GPU in a real run)",
@@ -212,6 +214,22 @@ def render_stall(f: dict) -> list[str]:
     return [f["setup"] or "", ""] + table(["", "blocking", "background", "background / blocking"], rows)
 
 
+def render_pipeline(f: dict) -> list[str]:
+    if "lines" in f:
+        return [f"    {ln}" for ln in f["lines"]]
+    rows = [[r["decode"], r["workers"], r.get("parallel", "threads"), fmt(r["images_per_s"], ",.0f")]
+            for r in f["loader"]]
+    lines = table(["decode", "workers", "as", "loader alone, images/s"], rows)
+    t = f.get("train")
+    if t:
+        lines += table(["", "images/s", "data wait"], [
+            [f"{t['model']} from the folder", fmt(t["folder"]["images_per_s"], ",.1f"), pct(t["folder"]["data_wait_frac"], ".2f")],
+            [f"{t['model']} on generated batches", fmt(t["generated"]["images_per_s"], ",.1f"),
+             pct(t["generated"]["data_wait_frac"], ".2f")],
+            ["folder / generated", fmt(t["ratio"], ".3f"), ""]])
+    return lines
+
+
 def render_nothing(f: dict) -> list[str]:
     return []
 
@@ -219,7 +237,8 @@ def render_nothing(f: dict) -> list[str]:
 READER = {name: reader for name, _, reader in PHASES}
 RENDER = {read.info_tree: render_info_tree, read.info_json: render_info_json, read.tests: render_tests,
           read.bench: render_bench, read.overhead: render_overhead, read.peers: render_peers, read.train: render_train,
-          read.memory_accuracy: render_memory, read.serve_load: render_serve, read.checkpoint_stall: render_stall}
+          read.memory_accuracy: render_memory, read.serve_load: render_serve, read.checkpoint_stall: render_stall,
+          read.input_pipeline: render_pipeline}
 
 
 def check(out: Path) -> list[str]:

@@ -45,6 +45,16 @@ def train_tiny(sets: list[str], resume: str | None = None, device: str = "cpu") 
             "shards_on": sorted({p.to_local().device.type for p in result.model.parameters() if hasattr(p, "to_local")})}
 
 
+def train_images(sets: list[str], resume: str | None = None, device: str = "cpu") -> dict:
+    """Train a CNN with exactly `sets` (no TINY: its settings are a GPT's) and report the losses."""
+    from gpudl.config import load_config
+    from gpudl.training.recipe import train
+
+    result = train(load_config(None, [f"run.device={device}", *sets]), resume=resume, console=Console(quiet=True))
+    return {"losses": {r["step"]: r["loss"] for r in result.records if r["kind"] == "train"},
+            "rank": _rank_or_0()}
+
+
 def train_with_stall(sets: list[str], stall_rank: int, stall_step: int, seconds: float, device: str = "cpu") -> dict:
     """Train, but on `stall_rank` hang for `seconds` in the forward pass of step `stall_step`."""
     import time

@@ -6,6 +6,8 @@ from gpudl import models
 from gpudl.config import DataConfig
 from gpudl.data import DeviceLoader, build_data
 from gpudl.data.datasets import DatasetBatches, IterableBatches, as_batch_source
+from gpudl.data.folder import FolderEvalBatches
+from gpudl.data.folder_index import index_folder
 from gpudl.data.images import SHAPES, ImageBatches, generated_shapes, load_images
 from gpudl.data.text import TextBatches, TokenStream, byte_corpus, stdlib_sources
 from gpudl.errors import UserError
@@ -69,19 +71,18 @@ def test_image_folder(tmp_path):
         (tmp_path / cls).mkdir()
         for i in range(3):
             pil.new("RGB", (20, 10), colour).save(tmp_path / cls / f"{i}.png")
-    d = load_images(str(tmp_path), 8, seed=0)
-    assert d.classes == ["blue", "red"] and d.images.shape == (6, 3, 8, 8)
-    assert d.images[d.labels == 1][:, 0].float().mean() > 250  # red images are red
+    index = index_folder(tmp_path)
+    assert index.classes == ["blue", "red"] and len(index) == 6
+    images, labels = FolderEvalBatches(index, 8, 6).wire_batch(0)  # streamed, centre-cropped, uint8
+    assert images.shape == (6, 3, 8, 8) and labels.tolist() == [0, 0, 0, 1, 1, 1]
+    assert images[labels == 1][:, 0].float().mean() > 250  # red images are red
+    assert images[labels == 1][:, 2].float().mean() < 5
 
 
-@pytest.mark.parametrize("path, words", [("/no/such/folder", "not a folder"), (None, None)])
+@pytest.mark.parametrize("path, words", [("/no/such/folder", "not a folder"), (None, "holds no images")])
 def test_image_folder_errors(tmp_path, path, words):
-    if path is None:
-        with pytest.raises(UserError, match="holds no images"):
-            load_images(str(tmp_path), 8, 0)
-    else:
-        with pytest.raises(UserError, match=words):
-            load_images(path, 8, 0)
+    with pytest.raises(UserError, match=words):
+        build_data(DataConfig(path=path or str(tmp_path)), models.resolve("resnet18"), 2, 0)
 
 
 def test_text_path_errors(tmp_path):

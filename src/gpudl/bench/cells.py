@@ -23,7 +23,7 @@ import torch
 
 from .. import models
 from ..config import Config
-from ..data import DeviceLoader, build_data
+from ..data import DeviceLoader, build_data, usable_cores
 from ..device import DeviceInfo, synchronize
 from ..device.host import release_freed_memory
 from ..observe.metrics import peak_memory_bytes, reset_peak_memory
@@ -37,7 +37,7 @@ from ..training.session import Session
 FIGURES = ("step_times_s", "samples_per_s", "units_per_s", "samples_per_s_mean", "step_s_p50", "step_s_p90",
            "step_s_mean", "cv",
            "flops_per_step", "achieved_flops", "peak_flops", "mfu", "peak_mem_bytes", "compile_s", "warmup_s",
-           "data_wait_frac")
+           "data_wait_frac", "loader_workers")
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def _batches(cell: Cell, device: torch.device) -> tuple[Iterator, DeviceLoader |
     cfg = cell.cfg
     if cell.real_data:
         data = build_data(cfg.data, cell.spec, cfg.train.batch_size, cfg.run.seed)
-        loader = DeviceLoader(data.train, device, num_workers=cfg.data.num_workers)
+        loader = DeviceLoader(data.train, device, num_workers=cfg.data.num_workers, cores=usable_cores())
         return loader, loader
     source = build_data(replace(cfg.data, kind="synthetic"), cell.spec, cfg.train.batch_size, cfg.run.seed).train
     # A few distinct batches, placed once and cycled: the loop waits on nothing but the device.
@@ -149,6 +149,8 @@ def _measure(cell: Cell, timing: Timing, flops_per_sample: int | None, tick: Cal
     out["peak_mem_bytes"] = peak_memory_bytes(cell.device.torch_device)
     if loader is not None:
         out["data_wait_frac"] = min(1.0, (loader.wait_s - waited) / sum(times))
+        out["loader_workers"] = loader.workers
+        loader.close()
     return out
 
 

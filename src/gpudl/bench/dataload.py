@@ -8,7 +8,7 @@ what loading costs.
 >>> advice(0.02, num_workers=0, device_kind="cpu", cores=8)
 []
 >>> advice(0.4, num_workers=0, device_kind="cuda", cores=8)[0]
-'build batches in worker processes: --set data.num_workers=4 (they also pin each batch in the background)'
+'build batches in more workers: --set data.num_workers=4 (they also pin each batch in the background)'
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ def advice(wait_frac: float, num_workers: int, device_kind: str, cores: int) -> 
     most = max(1, cores // 2) if accelerator else max(1, cores // 4)
     if num_workers < most:
         pin = " (they also pin each batch in the background)" if pinned else ""
-        tips.append(f"build batches in worker processes: --set data.num_workers={min(most, 4 if accelerator else 2)}"
+        tips.append(f"build batches in more workers: --set data.num_workers={min(most, 4 if accelerator else 2)}"
                     f"{pin}")
     if pinned and num_workers == 0:
-        tips.append("pinned memory: without workers each batch is pinned on the training thread before its "
-                    "copy; workers take that off the step")
-    tips.append("prefetch: the loader keeps one batch ahead on the device and, with workers, 4 per worker on the "
-                "host; if waits stay, make each batch cheaper: a pre-tokenised file (data.kind=tokens) or "
-                "smaller images (data.image_size)")
+        tips.append("pinned memory: without workers each batch is copied into its pinned buffer on the training "
+                    "thread; workers take that off the step")
+    tips.append("prefetch: the loader keeps one batch ahead on the device and, with workers, several on the "
+                "host; if waits stay, make each batch cheaper: a pre-tokenised file (data.kind=tokens), "
+                "smaller images (data.image_size), or JPEGs decoded on the GPU (data.decode)")
     return tips
 
 

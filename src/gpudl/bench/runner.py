@@ -121,7 +121,8 @@ def loader_findings(plan: Plan, cells: list[dict]) -> list[dict]:
         synthetic = next((c for c in cells if c["model"] == name and c["data"] == "synthetic"
                           and c["device"] == first.label and c["precision"] == real["precision"]
                           and not c["compile"]), None)
-        out.append(dataload.verdict(real, synthetic, cfg.data.num_workers, cores))
+        workers = real.get("loader_workers")  # what data.num_workers (auto, say) came to in the cell
+        out.append(dataload.verdict(real, synthetic, workers if workers is not None else 0, cores))
     return out
 
 

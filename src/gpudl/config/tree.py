@@ -40,7 +40,18 @@ class DataConfig:
     token_dtype: Literal["uint8", "uint16", "uint32"] = option("uint16", "element type of a token file")
     val_fraction: float = option(0.05, "share of the data held out for evaluation", ge=0.0, le=0.5)
     image_size: int = option(32, "side of the square images fed to a CNN", ge=8)
-    num_workers: int = option(0, "loader worker processes (0: load in the training process)", ge=0)
+    num_workers: int | Literal["auto"] = option(
+        "auto", "loader workers making batches ahead (threads where the work releases the GIL, as decoding an "
+                "image folder does; processes otherwise); 0: in the training process; auto: picked from the "
+                "cores and the data (the start block says)", ge=0)
+    augment: bool = option(True, "an image folder's training batches: random-resized crops (8-100% of the area) "
+                                 "and flips; false: the evaluation's resize and centre crop")
+    bad_images: Literal["skip", "error"] = option(
+        "skip", "an image file that cannot be decoded: skip it (a substitute takes its place; counted in "
+                "metrics.jsonl) or stop the run")
+    decode: Literal["auto", "host", "device"] = option(
+        "auto", "where an image folder's JPEGs are decoded: auto, on a CUDA GPU where torchvision's nvJPEG "
+                "decoder is installed, else on the host")
 
 
 @dataclass(kw_only=True)

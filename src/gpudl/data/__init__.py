@@ -15,8 +15,11 @@ from pathlib import Path
 from ..config import DataConfig
 from ..errors import UserError
 from ..models import ModelSpec
+from .decode import BadImages
+from .folder import FolderBatches, FolderEvalBatches
+from .folder_index import index_folder
 from .images import ImageBatches, ImageEvalBatches, load_images
-from .loader import Batch, BatchSource, DeviceLoader, first_batches
+from .loader import Batch, BatchSource, DeviceLoader, first_batches, usable_cores
 from .synthetic import SyntheticImages, SyntheticTokens
 from .text import TextBatches, TokenStream, byte_corpus
 
@@ -89,6 +92,8 @@ def _image_data(cfg, kind, spec, sizes, seed, rank, world) -> Data:
             return SyntheticImages(c.in_channels, cfg.image_size, c.num_classes, rows, s)
         return Data(make(seed + rank, batch_size), make(seed + 10**6, eval_size), "images", 1,
                     f"random {c.in_channels}x{cfg.image_size}x{cfg.image_size} images, {c.num_classes} classes")
+    if cfg.path not in (None, "sklearn:digits"):
+        return _folder_data(cfg, sizes, seed, rank, world)
     images = load_images(cfg.path, cfg.image_size, seed)
     train, val = images.split(cfg.val_fraction, seed)
     what = cfg.path or "generated shapes"
@@ -99,4 +104,20 @@ def _image_data(cfg, kind, spec, sizes, seed, rank, world) -> Data:
                 model_fit=fit, no_val="" if val_set else NO_VAL)
 
 
-__all__ = ["Data", "build_data", "Batch", "BatchSource", "DeviceLoader", "first_batches"]
+def _folder_data(cfg, sizes, seed, rank, world) -> Data:
+    """An image folder, indexed now and decoded batch by batch as the run goes (`folder.py`)."""
+    (batch_size, eval_size), size = sizes, cfg.image_size
+    index = index_folder(Path(cfg.path).expanduser())
+    train, val = index.split(cfg.val_fraction, seed)
+    bad = BadImages(cfg.bad_images)
+    batches = FolderBatches(train, size, batch_size, seed, rank, world, bad, augment=cfg.augment, decode=cfg.decode)
+    val_set = FolderEvalBatches(val, size, eval_size, rank, world, bad, threads=usable_cores(),
+                                decode=cfg.decode) if len(val) else None
+    crops = "random-resized crops and flips" if cfg.augment else "centre crops"
+    left = "".join(f"; left out: {n:,} {why}" for why, n in index.left_out.items())
+    return Data(batches, val_set, "images", 1,
+                f"{cfg.path}: {len(index):,} images, {len(index.classes)} classes, streamed ({crops} at {size} px, "
+                f"decoded as batches are wanted){left}",
+                model_fit={"num_classes": len(index.classes), "in_channels": 3}, no_val="" if val_set else NO_VAL)
+
+__all__ = ["Data", "build_data", "Batch", "BatchSource", "DeviceLoader", "first_batches", "usable_cores"]

@@ -1,5 +1,5 @@
-"""Labelled images for CNNs: a folder of class subfolders, a data set an installed package ships
-(`sklearn:digits`), or generated shapes that need nothing at all.
+"""Labelled images held in memory for CNNs: a data set an installed package ships (`sklearn:digits`),
+or generated shapes that need nothing at all (a folder of files is streamed instead: `folder.py`).
 
 Batch k takes positions [k*B*world, (k+1)*B*world) of a per-epoch permutation seeded by
 (seed, epoch), and each data-parallel rank takes its own slice; like text, a pure function of k.
@@ -7,15 +7,14 @@ Batch k takes positions [k*B*world, (k+1)*B*world) of a per-epoch permutation se
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 SHAPES = ("disc", "square", "triangle", "ring", "cross", "bar")
 
 
@@ -36,12 +35,13 @@ class ImageSet:
 
 
 def load_images(path: str | None, size: int, seed: int) -> ImageSet:
-    """Resolve `data.path` for images: None (generated shapes), 'sklearn:digits', or a folder."""
+    """The image sets held in memory: None (generated shapes) or 'sklearn:digits'. A folder is
+    streamed instead (`folder.py`)."""
     if path is None:
         return generated_shapes(4096, size, seed)
     if path == "sklearn:digits":
         return sklearn_digits(size)
-    return image_folder(Path(path).expanduser(), size)
+    raise ValueError(f"not an in-memory image set: {path!r}")
 
 
 def generated_shapes(n: int, size: int, seed: int) -> ImageSet:
@@ -80,31 +80,6 @@ def sklearn_digits(size: int) -> ImageSet:
                     [str(c) for c in range(10)])
 
 
-def image_folder(root: Path, size: int) -> ImageSet:
-    """root/<class>/<image files>, decoded with Pillow and resized to size x size RGB."""
-    if not root.is_dir():
-        raise UserError(f"data.path {str(root)!r} is not a folder: point it at a folder of class subfolders")
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    files = [(f, i) for i, c in enumerate(classes) for f in sorted((root / c).rglob("*"))
-             if f.suffix.lower() in IMAGE_SUFFIXES]
-    if not files:
-        raise UserError(f"data.path {str(root)!r} holds no images in class subfolders "
-                        f"(expected {root}/<class>/<image>.png)")
-    try:
-        from PIL import Image
-    except ImportError:
-        raise UserError("reading an image folder needs Pillow: pip install 'gpudl[images]'") from None
-    images = torch.empty(len(files), 3, size, size, dtype=torch.uint8)
-    for i, (f, _) in enumerate(files):
-        try:
-            with Image.open(f) as im:
-                pixels = im.convert("RGB").resize((size, size))
-        except OSError as e:
-            raise UserError(f"cannot read image {str(f)!r} ({e}): remove or replace it") from e
-        images[i] = torch.frombuffer(bytearray(pixels.tobytes()), dtype=torch.uint8).view(size, size, 3).permute(2, 0, 1)
-    return ImageSet(images, torch.tensor([c for _, c in files]), classes)
-
-
 def normalized(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """uint8 pixels as floats (p / 255 - mean) / std, in one pass: a multiply-add straight from uint8
     (within 1.2e-7 of the four-step formula it replaces, and 1.7x as fast: docs/performance.md)."""
@@ -138,30 +113,56 @@ def _normalizer(data: ImageSet) -> tuple[torch.Tensor, torch.Tensor]:
     return pixels.mean(dim=(0, 2, 3), keepdim=True)[0], pixels.std(dim=(0, 2, 3), keepdim=True)[0].clamp_min(1e-3)
 
 
+class EpochOrder:
+    """Which samples batch k holds on this rank: positions [k*B*world, (k+1)*B*world) of a per-epoch
+    permutation of all n samples seeded by (seed, epoch), this rank's B of them. Shared by every image
+    source, so a folder streamed from disk and a set held in memory are cut into batches alike."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, rank: int, world: int, what: str = "the image set"):
+        if n < batch_size * world:
+            raise UserError(f"{what} has {n} images, fewer than one batch of {batch_size * world} "
+                            f"(train.batch_size x processes): lower train.batch_size")
+        self.n, self.batch_size, self.seed, self.rank, self.world = n, batch_size, seed, rank, world
+        self.per_epoch = n // (batch_size * world)
+        self._perms: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()  # loader threads make batches of two epochs at once at its end
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        with self._lock:
+            perm = self._perms.get(epoch)
+            if perm is None:
+                perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+                self._perms = {e: p for e, p in self._perms.items() if abs(e - epoch) <= 1} | {epoch: perm}
+            return perm
+
+    def indices(self, k: int) -> torch.Tensor:
+        epoch, pos = divmod(k, self.per_epoch)
+        start = pos * self.batch_size * self.world + self.rank * self.batch_size
+        return self._permutation(epoch)[start:start + self.batch_size]
+
+    @property
+    def rows(self) -> slice:
+        """This rank's rows of a global batch."""
+        return slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+
+
 class ImageBatches(_Normalizing):
     """Batch source: (images float (B, C, H, W) normalised per channel, labels (B,))."""
 
+    parallel = "threads"  # a gather from memory: torch releases the GIL, a thread makes the next batch
+
     def __init__(self, data: ImageSet, batch_size: int, seed: int, rank: int = 0, world: int = 1):
         self.data, self.batch_size, self.seed, self.rank, self.world = data, batch_size, seed, rank, world
-        n = len(data.labels)
-        if n < batch_size * world:
-            raise UserError(f"the image set has {n} images, fewer than one batch of {batch_size * world} "
-                            f"(train.batch_size x processes): lower train.batch_size")
-        self.per_epoch = n // (batch_size * world)
+        self.order = EpochOrder(len(data.labels), batch_size, seed, rank, world)
+        self.per_epoch = self.order.per_epoch
         self.mean, self.std = _normalizer(data)
-        self._perm_epoch, self._perm = -1, None
 
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        if epoch != self._perm_epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm, self._perm_epoch = torch.randperm(len(self.data.labels), generator=g), epoch
-        return self._perm
+    @staticmethod
+    def auto_workers(cores: int, accelerator: bool) -> int:
+        return 1 if accelerator else 0  # on the CPU a gather costs less than handing it to a thread
 
     def wire_batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        epoch, pos = divmod(k, self.per_epoch)
-        glob = self.batch_size * self.world
-        start = pos * glob + self.rank * self.batch_size
-        idx = self._permutation(epoch)[start:start + self.batch_size]
+        idx = self.order.indices(k)
         return self.data.images[idx], self.data.labels[idx]
 
 

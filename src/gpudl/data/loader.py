@@ -11,11 +11,18 @@ A source may split `batch(k)` in two: `wire_batch(k)`, what the host makes and t
 and `on_device(batch)`, run where the batch arrives (on the copy's side stream): an image source
 sends uint8 pixels and normalises them on the device (`images.py`). On the CPU there is no copy
 to save: the batch is made whole where batches are made (in the loader's workers, if any).
+
+Workers are threads for a source that says its work releases the GIL (`parallel = "threads"`:
+decoding an image folder, gathering images in memory), processes (torch's DataLoader) otherwise;
+`data.num_workers="auto"` asks the source how many (`auto_workers`). On an accelerator the host
+batches land in reused page-locked buffers (`staging.py`). A source that can live on the device
+(`resident_on(device)`: a token set that fits) makes its batches there, with no host work at all.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -24,7 +31,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ..device.accel import overlaps_copies
+from ..device.accel import is_accelerator, overlaps_copies
+from .staging import PinnedPool, Staged, ThreadedBatches
 
 # Tensors in tuples, lists and dicts, nested; the loop gets a tuple (inputs..., target) or a dict.
 Batch = tuple | dict
@@ -85,10 +93,27 @@ class _CountFrom(Sampler):
         return itertools.count(self.start)
 
 
-def _host_batches(make: Callable[[int], Batch], start: int, num_workers: int, pin: bool) -> Iterator[Batch]:
-    if num_workers == 0:
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, which containers and torchrun narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def worker_plan(source: BatchSource, setting: int | str, device: torch.device, cores: int) -> tuple[int, str, str]:
+    """(how many workers, "threads" or "processes", why): what `data.num_workers` means for this source."""
+    kind = getattr(source, "parallel", "processes")
+    if setting == "auto":
+        auto = getattr(source, "auto_workers", None)
+        n = auto(cores, is_accelerator(device)) if auto else 0
+        return n, kind, f"data.num_workers=auto, {cores} usable cores"
+    return int(setting), kind, f"data.num_workers={setting}"
+
+
+def _host_batches(make: Callable[[int], Batch], start: int, workers: int, kind: str, pin: bool) -> Iterator[Batch]:
+    if workers == 0:
         return (make(k) for k in itertools.count(start))
-    loader = DataLoader(_BatchNumbers(make), batch_size=None, sampler=_CountFrom(start), num_workers=num_workers,
+    if kind == "threads":
+        return ThreadedBatches(make, start, workers)
+    loader = DataLoader(_BatchNumbers(make), batch_size=None, sampler=_CountFrom(start), num_workers=workers,
                         pin_memory=pin, prefetch_factor=4, persistent_workers=False,
                         worker_init_fn=_leave_signals_to_the_trainer)
     return iter(loader)
@@ -104,23 +129,50 @@ class DeviceLoader:
     """Batches start, start+1, ... of `source`, already on `device`.
 
     `position` counts the batches handed out (what a checkpoint must record);
-    `wait_s` is the time the training loop has spent inside the loader.
+    `wait_s` is the time the training loop has spent inside the loader;
+    `description` says how the batches are made (the run's start block prints it).
     """
 
-    def __init__(self, source: BatchSource, device: torch.device, start: int = 0, num_workers: int = 0):
+    def __init__(self, source: BatchSource, device: torch.device, start: int = 0, num_workers: int | str = 0,
+                 cores: int = 1):
         self.device, self.position, self.wait_s = device, start, 0.0
+        source = for_device(source, device)
+        resident = getattr(source, "resident_on", None)
+        on_device = resident(device) if resident is not None and device.type != "cpu" else None
+        source, workers, kind, why = (on_device, 0, "threads", "drawn on the device") if on_device is not None \
+            else (source, *worker_plan(source, num_workers, device, cores))
+        decoding = getattr(source, "decoding", None)
+        self.workers = workers
+        self.description = _describe(workers, kind, why) + (f"; images decoded {decoding}" if decoding else "")
+        self.bad_images = getattr(source, "bad", None)  # the files a decoding source skipped, where it has them
         # Copies from pinned memory on a side stream, so the next batch travels while this step computes.
-        self._stream = torch.Stream(device) if overlaps_copies(device) else None
+        self._stream = torch.Stream(device) if overlaps_copies(device) and on_device is None else None
         make, self._finish = _halves(source, device)
-        self._host = _host_batches(make, start, num_workers, pin=self._stream is not None)
+        # Staged where the batch is made, so the training loop does no memcpy; worker processes
+        # cannot touch the device's pinned memory: torch's DataLoader pins their batches itself.
+        self._pinned = PinnedPool() if self._stream is not None and (workers == 0 or kind == "threads") else None
+        if self._pinned is not None:
+            make = self._staging(make)
+        self._host = _host_batches(make, start, workers, kind, pin=self._stream is not None)
         self._prefetch()
 
-    def _to_device(self, batch: Batch) -> Batch:
+    def _staging(self, make: Callable[[int], Batch]) -> Callable[[int], Batch]:
+        def staged(k: int):
+            return self._pinned.stage(make(k), tensors_in, map_tensors)
+        return staged
+
+    def _to_device(self, made: Batch | Staged) -> Batch:
         if self._stream is None:
-            return self._finish(map_tensors(lambda t: t.to(self.device), batch))
+            return self._finish(map_tensors(lambda t: t.to(self.device), made))
+        batch = made.batch if isinstance(made, Staged) else made
         with self._stream:
-            return self._finish(map_tensors(
-                lambda t: (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True), batch))
+            moved = map_tensors(lambda t: (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True),
+                                batch)
+            if isinstance(made, Staged):
+                copied = torch.Event()
+                copied.record(self._stream)
+                self._pinned.give_back(made, copied)
+            return self._finish(moved)
 
     def _prefetch(self) -> None:
         """Start on the next batch. An error in making it waits until the loop asks for that batch:
@@ -148,9 +200,30 @@ class DeviceLoader:
         self.wait_s += time.perf_counter() - t0
         return batch
 
+    def close(self) -> None:
+        """Stop making batches ahead (threads); what is in flight is dropped."""
+        close = getattr(self._host, "close", None)
+        if close is not None:
+            close()
+
+
+def _describe(workers: int, kind: str, why: str) -> str:
+    if why == "drawn on the device":
+        return "batches drawn on the device (the data set lives there)"
+    if workers == 0:
+        return f"batches made in the training process ({why})"
+    unit = "thread" if kind == "threads" else "worker process"
+    return f"{workers} {unit}{'s' if workers > 1 else ''} making batches ahead ({why})"
+
+
+def for_device(source: BatchSource, device: torch.device) -> BatchSource:
+    """The source as `device` takes it best, where it says (an image folder decoding on the GPU)."""
+    shaped = getattr(source, "for_device", None)
+    return shaped(device) if shaped is not None else source
+
 
 def first_batches(source: BatchSource, n: int, device: torch.device) -> Iterator[Batch]:
     """Batches 0..n-1 of a source on `device`: the same evaluation set every time it is asked for."""
-    make, finish = _halves(source, device)
+    make, finish = _halves(for_device(source, device), device)
     for k in range(n):
         yield finish(map_tensors(lambda t: t.to(device), make(k)))

@@ -119,9 +119,21 @@ class Monitor:
             "nonfinite_total": state.nonfinite_total,
         }
         self._wait_mark = wait
+        self._report_bad_images(state, record)
         self._emit(record)
         if self.progress is not None:
             self.progress.update(record)
+
+    def _report_bad_images(self, state: TrainState, record: dict) -> None:
+        """Files the loader could not decode (this rank's): a running count, the first few named once."""
+        bad = getattr(self.loader, "bad_images", None)
+        if bad is None:
+            return
+        record["bad_images_total"] = bad.count
+        if self.progress is not None:
+            for line in bad.news():
+                self.progress.print(f"step {state.step:>6} · skipped an image file (a substitute took its place): "
+                                    f"{line}")
 
     def on_eval(self, state: TrainState, metrics: dict[str, float]) -> None:
         self._excluded += time.perf_counter() - self._step_end  # evaluation ran since the step ended

@@ -20,7 +20,7 @@ from torch import nn
 from .. import models
 from ..checkpoint import Checkpointer, model_fingerprint
 from ..config import Config
-from ..data import Data, DeviceLoader, first_batches
+from ..data import Data, DeviceLoader, first_batches, usable_cores
 from ..device.peak import measured_peak_flops, peak_key
 from ..distributed.parallelize import compile_wanted
 from ..distributed.preflight import check_job
@@ -120,10 +120,12 @@ def _train(cfg: Config, session: Session, precision: Precision, resume, console:
     state, rng_note = restore_job(ckpt, job, cfg, session.world) if resuming else (TrainState(), None)
     if session.is_writer:
         (run_dir / "config.toml").write_text(cfg.to_toml())  # only now: a refused resume changes nothing
+    ranks_here = session.env.local_world_size if session.env is not None else 1
     loader = DeviceLoader(data.train, session.device.torch_device, start=state.batches,
-                          num_workers=cfg.data.num_workers)
+                          num_workers=cfg.data.num_workers, cores=max(1, usable_cores() // ranks_here))
     job.batches = loader
     _announce(console, session, precision, spec, work, data, state, cfg.parallel.fsdp_cpu_offload)
+    console.print(f"Loader: {loader.description}", markup=False, soft_wrap=True)
     if rng_note:
         console.print(rng_note, markup=False, soft_wrap=True)
     background, why = background_saves(cfg, session, ckpt, job)
@@ -133,6 +135,8 @@ def _train(cfg: Config, session: Session, precision: Precision, resume, console:
         result = execute(ex, console)
     except OutOfMemoryAtOneRow as e:
         raise out_of_memory_report(e, cfg, session, precision) from e
+    finally:
+        loader.close()
     if "stopped_by" in result.summary:  # preempted or interrupted: the checkpoint is all that is wanted now
         console.print(f"Stopped at step {state.step} of {cfg.train.max_steps} by {result.summary['stopped_by']}; "
                       f"checkpoint saved. Resume with: {resume_command(session, run_dir)}", markup=False, soft_wrap=True)
