@@ -14,6 +14,7 @@ from gpudl.data.augment import DRAWS, crop_draws, random_resized_crop
 from gpudl.data.folder import FolderBatches, FolderEvalBatches
 from gpudl.data.folder_index import index_folder
 from gpudl.data.sample_folder import write_jpeg_folder
+from gpudl.errors import UserError
 from gpudl.models import resolve
 
 pytest.importorskip("PIL")
@@ -114,3 +115,32 @@ def test_build_data_streams_a_folder_with_a_centre_cropped_validation(folder):
     assert x.dtype == torch.float32 and x.shape == (4, 3, 32, 32)
     assert torch.equal(d.val.batch(0)[0], x)  # evaluation has no randomness
     assert d.val.batches_per_pass == 3
+
+
+def test_a_separate_validation_folder_keeps_the_training_folders_class_numbers(folder, tmp_path):
+    # ImageNet's layout: val/ beside train/, here with only two of the four classes, so the
+    # validation folder's own numbering (0, 1) differs from the training folder's.
+    val_root = tmp_path / "val"
+    kept = sorted(p.name for p in folder.iterdir())[2:]
+    for name in kept:
+        (val_root / name).mkdir(parents=True)
+        for f in sorted((folder / name).iterdir())[:3]:
+            (val_root / name / f.name).write_bytes(f.read_bytes())
+    d = build_data(DataConfig(path=str(folder), val_path=str(val_root), image_size=32), resolve("resnet18"),
+                   batch_size=4, seed=0)
+    assert len(d.train.index) == 48 and len(d.val.index) == 6 and "validation: " in d.description
+    train_index = index_folder(folder)
+    want = [train_index.classes.index(n) for n in kept for _ in range(3)]
+    assert d.val.labels.tolist() == want == [2, 2, 2, 3, 3, 3]
+
+
+def test_a_validation_folder_with_unknown_classes_is_one_line(folder, tmp_path):
+    (tmp_path / "val" / "zebra").mkdir(parents=True)
+    (tmp_path / "val" / "zebra" / "a.jpg").write_bytes((next((folder / "c000").iterdir())).read_bytes())
+    with pytest.raises(UserError, match="data.val_path .* class folders the training folder lacks \\(zebra\\)"):
+        build_data(DataConfig(path=str(folder), val_path=str(tmp_path / "val"), image_size=32), resolve("resnet18"),
+                   batch_size=4, seed=0)
+    with pytest.raises(UserError, match="data.val_path is read beside an image folder"):
+        build_data(DataConfig(kind="synthetic", val_path=str(tmp_path / "val")), resolve("resnet18"), 4, 0)
+    with pytest.raises(UserError, match="data.val_path is read for image folders only"):
+        build_data(DataConfig(val_path=str(tmp_path / "val")), resolve("gpt-tiny"), 4, 0)

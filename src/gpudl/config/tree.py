@@ -37,6 +37,8 @@ class DataConfig:
         "auto", "auto: text for GPT models, images for CNNs")
     path: str | None = option(None, "text file/folder, token file, image folder, or 'sklearn:digits'; "
                                     "none: the embedded standard-library corpus or generated shapes")
+    val_path: str | None = option(None, "an image folder's own validation folder (class subfolders named as "
+                                        "data.path's); none: data.val_fraction of data.path is held out")
     token_dtype: Literal["uint8", "uint16", "uint32"] = option("uint16", "element type of a token file")
     val_fraction: float = option(0.05, "share of the data held out for evaluation", ge=0.0, le=0.5)
     image_size: int = option(32, "side of the square images fed to a CNN", ge=8)

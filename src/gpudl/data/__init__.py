@@ -60,6 +60,9 @@ def build_data(cfg: DataConfig, spec: ModelSpec, batch_size: int, seed: int, ran
 
 def _token_data(cfg, kind, spec, sizes, seed, rank, world) -> Data:
     block, (batch_size, eval_size) = spec.config.block_size, sizes
+    if cfg.val_path:
+        raise UserError("data.val_path is read for image folders only: hold out part of the text with "
+                        "data.val_fraction, or drop data.val_path")
     if kind == "synthetic":
         v = spec.config.vocab_size
         return Data(SyntheticTokens(v, block, batch_size, seed + rank), SyntheticTokens(v, block, eval_size, seed + 10**6),
@@ -87,12 +90,15 @@ def _token_data(cfg, kind, spec, sizes, seed, rank, world) -> Data:
 
 def _image_data(cfg, kind, spec, sizes, seed, rank, world) -> Data:
     c, (batch_size, eval_size) = spec.config, sizes
+    if cfg.val_path and (kind == "synthetic" or cfg.path in (None, "sklearn:digits")):
+        raise UserError("data.val_path is read beside an image folder (data.path=FOLDER) only: drop it, or "
+                        "point data.path at the training folder")
     if kind == "synthetic":
         def make(s, rows):
             return SyntheticImages(c.in_channels, cfg.image_size, c.num_classes, rows, s)
         return Data(make(seed + rank, batch_size), make(seed + 10**6, eval_size), "images", 1,
                     f"random {c.in_channels}x{cfg.image_size}x{cfg.image_size} images, {c.num_classes} classes")
-    if cfg.path not in (None, "sklearn:digits"):
+    if kind != "synthetic" and cfg.path not in (None, "sklearn:digits"):
         return _folder_data(cfg, sizes, seed, rank, world)
     images = load_images(cfg.path, cfg.image_size, seed)
     train, val = images.split(cfg.val_fraction, seed)
@@ -108,7 +114,11 @@ def _folder_data(cfg, sizes, seed, rank, world) -> Data:
     """An image folder, indexed now and decoded batch by batch as the run goes (`folder.py`)."""
     (batch_size, eval_size), size = sizes, cfg.image_size
     index = index_folder(Path(cfg.path).expanduser())
-    train, val = index.split(cfg.val_fraction, seed)
+    if cfg.val_path:  # ImageNet's layout: train/ and val/ side by side
+        train, val = index, index_folder(Path(cfg.val_path).expanduser(), "data.val_path").in_classes(
+            index.classes, "data.val_path")
+    else:
+        train, val = index.split(cfg.val_fraction, seed)
     bad = BadImages(cfg.bad_images)
     batches = FolderBatches(train, size, batch_size, seed, rank, world, bad, augment=cfg.augment, decode=cfg.decode)
     val_set = FolderEvalBatches(val, size, eval_size, rank, world, bad, threads=usable_cores(),
@@ -117,7 +127,8 @@ def _folder_data(cfg, sizes, seed, rank, world) -> Data:
     left = "".join(f"; left out: {n:,} {why}" for why, n in index.left_out.items())
     return Data(batches, val_set, "images", 1,
                 f"{cfg.path}: {len(index):,} images, {len(index.classes)} classes, streamed ({crops} at {size} px, "
-                f"decoded as batches are wanted){left}",
+                f"decoded as batches are wanted){left}" + (f"; validation: {cfg.val_path}, {len(val):,} images"
+                                                         if cfg.val_path else ""),
                 model_fit={"num_classes": len(index.classes), "in_channels": 3}, no_val="" if val_set else NO_VAL)
 
 __all__ = ["Data", "build_data", "Batch", "BatchSource", "DeviceLoader", "first_batches", "usable_cores"]

@@ -47,6 +47,17 @@ class FolderIndex:
         packed = np.concatenate([self.packed[s:s + n] for s, n in zip(starts, lengths)]) if len(idx) else self.packed[:0]
         return FolderIndex(self.root, self.classes, packed, np.cumsum(lengths), self.labels[idx], self.left_out)
 
+    def in_classes(self, classes: list[str], setting: str) -> FolderIndex:
+        """This index with its labels numbered as in `classes` (a validation folder read beside its
+        training folder: the same class names, perhaps fewer of them)."""
+        unknown = sorted(set(self.classes) - set(classes))
+        if unknown:
+            raise UserError(f"{setting} {str(self.root)!r} has class folders the training folder lacks "
+                            f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}): give both the same "
+                            f"class subfolders")
+        number = np.array([classes.index(c) for c in self.classes], dtype=np.int32)
+        return FolderIndex(self.root, list(classes), self.packed, self.ends, number[self.labels], self.left_out)
+
     def split(self, val_fraction: float, seed: int) -> tuple[FolderIndex, FolderIndex]:
         """(train, validation) parts, drawn as `ImageSet.split` draws them."""
         perm = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed)).numpy()
@@ -54,10 +65,11 @@ class FolderIndex:
         return self.subset(np.sort(perm[n_val:])), self.subset(np.sort(perm[:n_val]))
 
 
-def index_folder(root: Path) -> FolderIndex:
-    """Walk `root/<class>/...` (sorted, so every process and every run sees one order)."""
+def index_folder(root: Path, setting: str = "data.path") -> FolderIndex:
+    """Walk `root/<class>/...` (sorted, so every process and every run sees one order); `setting`
+    names where the folder came from in an error."""
     if not root.is_dir():
-        raise UserError(f"data.path {str(root)!r} is not a folder: point it at a folder of class subfolders")
+        raise UserError(f"{setting} {str(root)!r} is not a folder: point it at a folder of class subfolders")
     real_root = os.path.realpath(root)
     walk = _Walk(real_root)
     classes = sorted(e.name for e in _entries(real_root) if not e.name.startswith(".") and walk.is_dir(e))
@@ -67,7 +79,7 @@ def index_folder(root: Path) -> FolderIndex:
             chunks.append(os.fsencode(rel))
             labels.append(label)
     if not chunks:
-        raise UserError(f"data.path {str(root)!r} holds no images in class subfolders (expected "
+        raise UserError(f"{setting} {str(root)!r} holds no images in class subfolders (expected "
                         f"{root}/<class>/<image>.jpg; suffixes {', '.join(IMAGE_SUFFIXES)})")
     packed = np.frombuffer(b"".join(chunks), dtype=np.uint8)
     ends = np.cumsum(np.fromiter((len(c) for c in chunks), dtype=np.int64, count=len(chunks)))

@@ -212,8 +212,8 @@ def _describe(workers: int, kind: str, why: str) -> str:
         return "batches drawn on the device (the data set lives there)"
     if workers == 0:
         return f"batches made in the training process ({why})"
-    unit = "thread" if kind == "threads" else "worker process"
-    return f"{workers} {unit}{'s' if workers > 1 else ''} making batches ahead ({why})"
+    unit = ("thread", "threads") if kind == "threads" else ("worker process", "worker processes")
+    return f"{workers} {unit[workers > 1]} making batches ahead ({why})"
 
 
 def for_device(source: BatchSource, device: torch.device) -> BatchSource:
