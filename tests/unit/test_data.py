@@ -170,3 +170,21 @@ def test_user_data_sources():
     assert torch.equal(it.batch(1)[1], y[5:])  # and replays when asked out of order
     with pytest.raises(UserError, match="cannot train on a int"):
         as_batch_source(3, 4, 0)
+
+
+@pytest.mark.parametrize("shape, channels_last", [((6, 3, 20, 12), True), ((6, 3, 20, 12), False),
+                                                  ((4, 1, 9, 7), True), ((2, 5, 3, 3), True)])
+def test_normalized_pixels_match_the_formula_in_the_pixels_layout(shape, channels_last):
+    # The CPU path takes two passes (and tiles the constants along channels-last rows): it must
+    # give the formula's floats, in double precision, and keep the layout the convolutions want.
+    from gpudl.data.images import normalized
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    mean = torch.rand(shape[1], 1, 1, generator=g)
+    std = torch.rand(shape[1], 1, 1, generator=g) + 0.1
+    want = (x.double() / 255 - mean.double()) / std.double()
+    got = normalized(x, mean, std)
+    assert got.dtype == torch.float32 and got.stride() == x.stride()
+    assert torch.allclose(got.double(), want, rtol=0, atol=1e-5)

@@ -23,6 +23,7 @@ from .augment import Box, centre_crop, crop_draws, flips, random_resized_crop
 from .decode import BadImage, BadImages, decode_crop, read_file
 from .folder_index import FolderIndex
 from .images import EpochOrder, _Normalizing
+from .staging import one_torch_thread
 
 # ImageNet's per-channel statistics: what torchvision's and timm's pretrained models expect, and
 # close enough for any photographs; a folder of millions of files is not read twice to measure its own.
@@ -140,7 +141,8 @@ class FolderEvalBatches(_Normalizing):
     def wire_batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         slots = self.slots(k)
         if self.threads > 1 and self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="gpudl-eval-decode")
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="gpudl-eval-decode",
+                                            initializer=one_torch_thread)
 
         def work(slot: int) -> tuple[torch.Tensor, torch.Tensor]:
             return self.decoded(slots[slot][0], [], k, slot)

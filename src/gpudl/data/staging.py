@@ -23,6 +23,12 @@ from typing import Any
 
 import torch
 
+def one_torch_thread() -> None:
+    """A loader thread's torch ops run on one core (the setting is the calling thread's own): the
+    threads already run side by side, and intra-op threads of their own would crowd the step's cores."""
+    torch.set_num_threads(1)
+
+
 @dataclass
 class Staged:
     """A batch in pinned buffers (`handle`: the pool's note of them; None where it was pinned already)."""
@@ -36,7 +42,7 @@ class ThreadedBatches:
 
     def __init__(self, make: Callable[[int], Any], start: int, workers: int):
         self._make, self._next = make, itertools.count(start)
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="gpudl-batches")
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="gpudl-batches", initializer=one_torch_thread)
         self._ahead: collections.deque[Future] = collections.deque()
         self._depth = workers + 2
         # Dropped without close() (a loop that ended early): the queued batches are not made at exit.
