@@ -96,17 +96,34 @@ def cmd_train(args, console: Console) -> int:
 
 
 def cmd_generate(args, console: Console) -> int:
-    from .models.generate import sample_text
+    from .data.tokenizer import run_tokenizer
+    from .models.generate import UnknownToken, sample_text
     from .training.trained import find_run, load_trained
 
     t = load_trained(find_run(args.run_dir), args.device or "auto")
-    if not t.spec.is_language_model or t.spec.config.vocab_size < 256:
-        raise UserError(f"{t.run_dir} trained {t.spec.name}, not a byte-level GPT: generate needs one")
+    if not t.spec.is_language_model:
+        raise UserError(f"{t.run_dir} trained {t.spec.name}, not a language model: generate needs a GPT run")
     if args.tokens < 1 or args.temperature <= 0 or args.top_k < 0:
         raise UserError("--tokens must be >= 1, --temperature > 0 and --top-k >= 0")
-    text = sample_text(t.model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    tokenizer = run_tokenizer(t.run_dir)
+    try:
+        text = sample_text(t.model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed, tokenizer)
+    except UnknownToken as e:  # the run's tokenizer.json is not its model's, or the model knows fewer ids than bytes
+        raise UserError(f"{t.run_dir}: {e}") from None
     console.print(text, markup=False, highlight=False)
     return 0
+
+
+def bits_per_byte(loss: float, data) -> float | None:
+    """Validation loss in bits per UTF-8 byte of text, comparable across tokenizers: loss / ln 2 /
+    bytes per token; None where the data does not know how many bytes a token stands for."""
+    import math
+
+    if hasattr(data, "bytes_per_token"):
+        per_token = data.bytes_per_token
+    else:  # data that does not say (before Data.bytes_per_token): byte-level text only, as evaluate always took it
+        per_token = 1.0 if data.vocab_size == 256 else None
+    return loss / math.log(2) / per_token if per_token else None
 
 
 def cmd_evaluate(args, console: Console) -> int:
@@ -129,8 +146,9 @@ def cmd_evaluate(args, console: Console) -> int:
             samples += len(x)
     result = {"run_dir": str(t.run_dir), "step": t.step, "samples": samples,
               **{k: v / samples for k, v in sums.items()}}
-    if t.spec.is_language_model and t.data.vocab_size == 256:
-        result["bits_per_byte"] = result["loss"] / torch.log(torch.tensor(2.0)).item()
+    bpb = bits_per_byte(result["loss"], t.data) if t.spec.is_language_model else None
+    if bpb is not None:
+        result["bits_per_byte"] = bpb
     if args.json:
         _print_json(result)
     else:
@@ -156,8 +174,29 @@ def cmd_export(args, console: Console) -> int:
     meta = {"gpudl_model": t.spec.name, "config": json.dumps(dataclasses.asdict(t.spec.config)), "step": str(t.step)}
     if t.spec.family != "gpt":  # the input shape a server expects, even where the file travels without its config
         meta["image_size"] = str(t.cfg.data.image_size)
+    else:
+        meta.update(_export_tokenizer(t.run_dir, out.parent))
     console.print(f"Wrote {export_safetensors(t.model, out, meta)}")
     return 0
+
+
+def _export_tokenizer(run_dir: Path, folder: Path) -> dict[str, str]:
+    """Copy the run's tokenizer.json beside the export (a server reads it there); the metadata that
+    names it, so that a server refuses a folder holding another model's tokenizer.json."""
+    import hashlib
+
+    from .data.tokenizer import FILE, FileTokenizer, run_tokenizer
+
+    if not isinstance(run_tokenizer(run_dir), FileTokenizer):  # read, so a damaged one is refused here
+        return {"tokenizer": "bytes"}
+    data = (run_dir / FILE).read_bytes()
+    beside = folder / FILE
+    if beside.resolve() != (run_dir / FILE).resolve():
+        if beside.is_symlink() or (beside.exists() and beside.read_bytes() != data):
+            raise UserError(f"{beside} holds another model's tokenizer: export into a folder of its own "
+                            f"(--out FOLDER/model.safetensors)")
+        beside.write_bytes(data)
+    return {"tokenizer": FILE, "tokenizer_sha256": hashlib.sha256(data).hexdigest()}
 
 
 def cmd_serve(args, console: Console) -> int:

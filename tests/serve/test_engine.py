@@ -269,7 +269,7 @@ PROMPTS = [list(b"def main("), list(b"import torch\n"), list(b"x"), list(b"class
 
 async def collect(stream) -> tuple[list[int], str]:
     ids, finish = [], None
-    async for token, why in stream:
+    async for token, _, why in stream:
         if token is not None:
             ids.append(token)
         finish = why or finish
@@ -302,9 +302,9 @@ def alone(model, prompt: list[int], sampling: Sampling) -> tuple[list[int], str]
     engine.start()
 
     async def body():
-        result = await engine.complete(prompt, sampling)
+        done = await engine.complete(prompt, sampling)
         await engine.stop()
-        return result
+        return done.ids, done.finish
 
     return run(body())
 
@@ -351,24 +351,29 @@ def test_sampler_keeps_to_top_k_and_top_p():
 
 
 def test_stop_text_ends_generation_and_is_not_returned(gpt):
-    prompt = PROMPTS[1]
+    prompt = PROMPTS[0]
     full = reference_tokens(gpt, prompt, 40)
-    stop = bytes(full[20:23])
-    cut = bytes(full).find(stop)  # the first place the text ends with it
+    text = bytes(full).decode("utf-8", errors="replace")
+    at = next(i for i in range(12, len(text) - 3) if "\ufffd" not in text[i:i + 3])  # past the first characters
+    stop = text[at:at + 3]
+    cut = text.find(stop)  # the first place the text holds it
+    made = next(n for n in range(len(full) + 1) if stop in bytes(full[:n]).decode("utf-8", errors="replace"))
     engine = GenerationEngine(gpt, CPU, max_batch_size=2)
     engine.start()
 
     async def body():
-        streamed = await collect(engine.stream(prompt, Sampling(max_tokens=40, temperature=0,
-                                                                stop=("never seen \x00", stop))))
-        as_bytes = await engine.complete(prompt, Sampling(max_tokens=40, temperature=0, stop=(stop,)))
-        missing = await engine.complete(prompt, Sampling(max_tokens=40, temperature=0, stop=(b"\xff\xfe\xfd",)))
+        streamed = [item async for item in engine.stream(prompt, Sampling(max_tokens=40, temperature=0,
+                                                                          stop=("never seen \x00", stop)))]
+        whole = await engine.complete(prompt, Sampling(max_tokens=40, temperature=0, stop=(stop,)))
+        missing = await engine.complete(prompt, Sampling(max_tokens=40, temperature=0, stop=("\x00\x01never",)))
         await engine.stop()
-        return streamed, as_bytes, missing
+        return streamed, whole, missing
 
-    streamed, as_bytes, missing = run(body())
-    assert streamed == as_bytes == (full[:cut], "stop")
-    assert missing == (full, "length")
+    streamed, whole, missing = run(body())
+    # Generation ends with the token that completes the stop text; the text ends before it.
+    assert [t for t, _, _ in streamed if t is not None] == whole.ids == full[:made]
+    assert "".join(piece for _, piece, _ in streamed) == whole.text == text[:cut] and streamed[-1].finish == "stop"
+    assert whole.finish == "stop" and missing == (full, text, "length")
 
 
 def test_max_tokens_and_the_context_end_generation(gpt):
@@ -388,6 +393,7 @@ def test_max_tokens_and_the_context_end_generation(gpt):
     ([1], {"top_p": 0.0}, "top_p"),
     ([1], {"top_k": -2}, "top_k"),
     ([1], {"stop": ("",)}, "stop"),
+    ([1], {"stop": (b"\n",)}, "stop"),  # texts, not bytes: the stop is found in the decoded text
 ])
 def test_bad_generation_requests_name_the_field(gpt, prompt, sampling, field):
     engine = GenerationEngine(gpt, CPU, max_batch_size=1)
@@ -480,7 +486,7 @@ def test_the_public_api_serves_an_export_from_python(tmp_path, gpt, resnet):
         for e in engines:
             e.start()
         try:
-            ids, finish = await engines[0].complete(PROMPTS[0], Sampling(max_tokens=6, temperature=0))
+            ids, _, finish = await engines[0].complete(PROMPTS[0], Sampling(max_tokens=6, temperature=0))
             logits = await engines[1].infer(images(3)[0])
         finally:
             for e in engines:

@@ -15,9 +15,11 @@ from openai._streaming import SSEDecoder  # noqa: E402
 from openai.types import Completion  # noqa: E402
 from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 
+from gpudl.data.tokenizer import ByteTokenizer  # noqa: E402
+from gpudl.serve.detok import TextStream  # noqa: E402
 from gpudl.serve.oip import ProtocolError  # noqa: E402
 from gpudl.serve.openai_api import (  # noqa: E402
-    SSE_DONE, CompletionRequest, Utf8Stream, chat_chunks, chat_response, completion_chunks, completion_response,
+    SSE_DONE, CompletionRequest, chat_chunks, chat_response, completion_chunks, completion_response,
     models_list, openai_error, parse_chat, parse_completion)
 
 CONTEXT = 64
@@ -161,13 +163,13 @@ def _events(stream: str) -> list[str]:
 
 
 def _stream(chunks, tokens: bytes, finish: str = "length", usage: tuple | None = None) -> str:
-    """What gpudl's server does with a token stream: bytes through Utf8Stream, one event per piece of text."""
-    decoder, out = Utf8Stream(), []
+    """What gpudl's server does with a token stream: bytes through a TextStream, one event per piece of text."""
+    decoder, out = TextStream(ByteTokenizer()), []
     for token in tokens:
-        text = decoder.feed(bytes([token]))
+        text = decoder.feed(token)
         if text:
             out.append(chunks.delta(text))
-    out.append(chunks.finish(finish, decoder.flush()))
+    out.append(chunks.finish(finish, decoder.finish()))
     if usage:
         out.append(chunks.usage(*usage))
     return "".join(out) + SSE_DONE
@@ -185,19 +187,6 @@ def test_sse_framing_and_chat_chunks():
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == ANSWER
     assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 2) + ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ANSWER.encode())
-
-
-def test_utf8_stream_never_splits_a_character():
-    raw = ANSWER.encode()
-    for cut in range(len(raw) + 1):   # every split point, including inside each multi-byte character
-        s = Utf8Stream()
-        pieces = [s.feed(raw[:cut]), s.feed(raw[cut:]), s.flush()]
-        assert "".join(pieces) == ANSWER and "\ufffd" not in "".join(pieces)
-    s = Utf8Stream()
-    assert [s.feed(bytes([b])) for b in "🙂".encode()] == ["", "", "", "🙂"]
-    s = Utf8Stream()
-    assert s.feed(b"a\xff") == "a\ufffd"          # an invalid byte: replaced, not raised
-    assert s.feed("é".encode()[:1]) == "" and s.flush() == "\ufffd"   # cut off at the end of the stream
 
 
 def _handler(request: httpx2.Request) -> httpx2.Response:

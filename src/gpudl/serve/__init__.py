@@ -7,7 +7,7 @@ coroutines of the running event loop):
 
     engine = make_engine(load_model("runs/gpt-tiny-..."))   # a run folder, an export, or a .safetensors
     engine.start()
-    ids, finish = await engine.complete(list(b"def "), Sampling(max_tokens=40, temperature=0))
+    done = await engine.complete(list(b"def "), Sampling(max_tokens=40, temperature=0))  # .ids, .text, .finish
     logits = await engine.infer(images)                       # a classifier's engine: (N, C, H, W) -> (N, K)
     await engine.stop()
 

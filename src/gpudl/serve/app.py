@@ -21,12 +21,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..data.tokenizer import ByteTokenizer
 from . import oip, oip_reply, openai_api
+from .detok import longest_token_bytes
 from .engine import BadInput, DeadlineExceeded, EngineStopped, QueueFull
 from .metrics import Metrics
 
 RETRY_AFTER_S = 1
-OIP_TOKENS = 64          # bytes a GPT adds to a text_input over the Open Inference Protocol
+OIP_TOKENS = 64          # tokens a GPT adds to a text_input over the Open Inference Protocol
 CHAT_STOP = "\nuser:"   # a chat answer ends where the model starts the user's next turn
 
 
@@ -165,13 +167,29 @@ def _oip_routes(app: FastAPI, served: Served) -> None:
 
 async def _texts(served: Served, prompts: np.ndarray, deadline: float) -> np.ndarray:
     """GPT over the Open Inference Protocol: each text_input element continued greedily by
-    OIP_TOKENS bytes (the OpenAI routes take sampling settings)."""
+    OIP_TOKENS tokens (the OpenAI routes take sampling settings); text_output is the new text, UTF-8."""
     from .generation import Sampling
 
     greedy = Sampling(max_tokens=OIP_TOKENS, temperature=0.0)
-    done = await asyncio.gather(*(served.engine.complete(list(bytes(p)), greedy, deadline=deadline)
-                                  for p in prompts.reshape(-1)))
-    return np.array([bytes(ids) for ids, _ in done], dtype=object).reshape(prompts.shape)
+    ids = [_oip_prompt(served.loaded, bytes(p), i) for i, p in enumerate(prompts.reshape(-1))]
+    done = await asyncio.gather(*(served.engine.complete(p, greedy, deadline=deadline) for p in ids))
+    return np.array([d.text.encode("utf-8") for d in done], dtype=object).reshape(prompts.shape)
+
+
+def _oip_prompt(loaded, raw: bytes, i: int) -> list[int]:
+    """A text_input element's token ids: its bytes for a byte-level model (which reads any bytes),
+    else its UTF-8 text through the model's tokenizer."""
+    where = f"text_input element {i}"
+    if len(raw) > loaded.context_length * longest_token_bytes(loaded.tokenizer) * 2:  # as openai_api's _encode
+        raise oip.ProtocolError(400, f"{where}: {len(raw)} bytes, more than this model's context length of "
+                                     f"{loaded.context_length} tokens can hold; shorten it")
+    if isinstance(loaded.tokenizer, ByteTokenizer):
+        return list(raw)
+    try:
+        return loaded.tokenizer.encode(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise oip.ProtocolError(400, f"{where}: not UTF-8 text ({e.reason} at byte {e.start}); this model's "
+                                     f"tokenizer reads text") from None
 
 
 def _openai_routes(app: FastAPI, served: Served) -> None:
@@ -198,43 +216,40 @@ async def _generate(served: Served, body: bytes, chat: bool):
                                      f"not the OpenAI API")
     arrived = time.monotonic()
     parse = openai_api.parse_chat if chat else openai_api.parse_completion
-    req = parse(body, served.loaded.context_length, served.name)
+    req = parse(body, served.loaded.context_length, served.name, served.loaded.tokenizer)
     stop = [*req.stop, CHAT_STOP] if chat and CHAT_STOP not in req.stop else req.stop
     sampling = Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k or 0,
                         top_p=req.top_p, stop=tuple(stop), seed=req.seed)
-    prompt = list(req.prompt.encode("utf-8"))
+    prompt = req.prompt_ids
     deadline = arrived + served.request_timeout_s
     if req.stream:  # queued now: a refusal (400, 503) is still a status, before the stream's 200 goes out
         items = served.engine.stream(prompt, sampling, deadline=deadline)
         return StreamingResponse(_stream(served, req, len(prompt), items, chat, arrived),
                                  media_type="text/event-stream")
-    ids, finish = await served.engine.complete(prompt, sampling, deadline=deadline)
-    served.metrics.tokens.inc(len(ids))
+    done = await served.engine.complete(prompt, sampling, deadline=deadline)
+    served.metrics.tokens.inc(len(done.ids))
     served.metrics.latency.labels("chat" if chat else "completions").observe(time.monotonic() - arrived)
-    text = bytes(ids).decode("utf-8", errors="replace")
     respond = openai_api.chat_response if chat else openai_api.completion_response
-    return respond(served.name, text, finish, len(prompt), len(ids))
+    return respond(served.name, done.text, done.finish, len(prompt), len(done.ids))
 
 
 async def _stream(served: Served, req, prompt_tokens: int, items, chat: bool, arrived: float):
-    """Server-sent events: one chunk per decoded piece of text, the finish reason, then [DONE]."""
+    """Server-sent events: one chunk per piece of text the engine made certain, the finish reason, then [DONE]."""
     chunks = openai_api.chat_chunks if chat else openai_api.completion_chunks
     stream = chunks(served.name)
-    decoder = openai_api.Utf8Stream()
     first, produced = True, 0
-    async for token, finish in items:
+    async for item in items:
         if first:
             served.metrics.first_token.observe(time.monotonic() - arrived)
             first = False
-        if token is not None:
+        if item.token is not None:
             produced += 1
             served.metrics.tokens.inc()
-            text = decoder.feed(bytes([token]))
-            if text:
-                yield stream.delta(text)
-        if finish is not None:
-            yield stream.finish(finish, decoder.flush())
+        if item.finish is not None:
+            yield stream.finish(item.finish, item.text)
             if req.include_usage:
                 yield stream.usage(prompt_tokens, produced)
+        elif item.text:
+            yield stream.delta(item.text)
     served.metrics.latency.labels("chat" if chat else "completions").observe(time.monotonic() - arrived)
     yield openai_api.SSE_DONE

@@ -7,12 +7,15 @@ that finishes leaves at once and frees its slot (Orca's iteration-level scheduli
 TGI do it). Sampling happens per sequence with its own generator, on the CPU, so a seeded
 request draws the same numbers whichever requests share its steps and whichever device runs it.
 
+Prompts come in as token ids; each new token goes out with the text it completes, decoded by the
+model's tokenizer (`detok.TextStream`: stop texts are found in that text, whatever the tokenizer).
+
 >>> import asyncio, torch
 >>> from gpudl import models
 >>> gpt = models.build(models.resolve("gpt-tiny", {"n_layer": 1, "d_model": 16, "n_head": 2}), torch.device("cpu"))
 >>> engine = GenerationEngine(gpt, "cpu", max_batch_size=2); engine.start()
->>> ids, finish = asyncio.run(engine.complete([72, 105], Sampling(max_tokens=3, temperature=0)))
->>> len(ids), finish
+>>> done = asyncio.run(engine.complete([72, 105], Sampling(max_tokens=3, temperature=0)))
+>>> len(done.ids), done.finish
 (3, 'length')
 >>> asyncio.run(engine.stop())
 """
@@ -24,12 +27,15 @@ import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from ..data.tokenizer import ByteTokenizer, Tokenizer
 from ..errors import UserError
 from ..models.gpt import GPT, KVCache
+from .detok import TextStream
 from .engine import BadInput, DeadlineExceeded, Engine, EngineStopped, Request, call_soon, param_dtype
 
 
@@ -41,7 +47,7 @@ class Sampling:
     temperature: float = 1.0           # 0: greedy (argmax)
     top_k: int = 0                     # keep the k most likely tokens; 0: all
     top_p: float = 1.0                 # keep the most likely tokens up to this probability mass; 1: all
-    stop: tuple[str | bytes, ...] = ()  # generation ends when the new text ends with one; it is not returned
+    stop: tuple[str, ...] = ()         # generation ends when the new text holds one; it is not returned
     seed: int | None = None            # the request's own generator; None: a fresh random seed
 
     def __post_init__(self):
@@ -53,13 +59,27 @@ class Sampling:
             raise BadInput("top_k", f"must be an integer >= 0 (0: off), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise BadInput("top_p", f"must be a number in (0, 1] (1: off), got {self.top_p!r}")
-        if not isinstance(self.stop, tuple) or not all(isinstance(s, (str, bytes)) and s for s in self.stop):
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise BadInput("stop", f"must be non-empty strings, got {self.stop!r}")
         if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < 2**63):
             raise BadInput("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
 
-    def stop_bytes(self) -> tuple[bytes, ...]:
-        return tuple(s.encode("utf-8") if isinstance(s, str) else s for s in self.stop)
+
+class Delta(NamedTuple):
+    """One item of a stream: a new token and the text it made certain, or (token None) the end, with
+    the text still held back and why it ended: "stop" (a stop text, not included) or "length"."""
+
+    token: int | None
+    text: str
+    finish: str | None = None
+
+
+class Completion(NamedTuple):
+    """A whole answer: every token made (those of a stop text too: they were generated), its text, why it ended."""
+
+    ids: list[int]
+    text: str
+    finish: str
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
@@ -84,22 +104,21 @@ class _Generate(Request):
     def __init__(self, loop: asyncio.AbstractEventLoop, deadline: float | None, prompt: list[int], sampling: Sampling):
         super().__init__(loop, deadline)
         self.prompt, self.sampling = prompt, sampling
-        self.queue: asyncio.Queue = asyncio.Queue()  # (token | None, finish | None) items, or an exception
+        self.queue: asyncio.Queue = asyncio.Queue()  # Delta items, or an exception
 
 
 class _Sequence:
     """A running request, as the worker keeps it: its slot is its index in the running list."""
 
-    def __init__(self, request: _Generate):
+    def __init__(self, request: _Generate, tokenizer: Tokenizer):
         self.request, self.sampling = request, request.sampling
-        self.stops = request.sampling.stop_bytes()
+        self.text = TextStream(tokenizer, request.sampling.stop)
         self.generator = torch.Generator()
         if self.sampling.seed is None:
             self.generator.seed()
         else:
             self.generator.manual_seed(self.sampling.seed)
         self.ids: list[int] = []      # generated so far
-        self.released = 0             # of which handed to the caller (the rest may yet be a stop text)
         self.length = len(request.prompt)  # tokens in the cache
         self.finish: str | None = None
 
@@ -108,37 +127,35 @@ class _Sequence:
         """The newest token: the one the next decoding step feeds (not yet in the cache)."""
         return self.ids[-1]
 
-    def accept(self, token: int, block_size: int) -> list[int]:
-        """Take a new token; returns the tokens the caller may now see, and sets `finish` when done."""
+    def accept(self, token: int, block_size: int) -> list[Delta]:
+        """Take a new token; returns what the caller may now see, the end too once it is done."""
         self.ids.append(token)
-        upto = len(self.ids)
-        if self.stops:
-            text = bytes(self.ids)
-            hit = next((s for s in self.stops if text.endswith(s)), None)
-            if hit is not None:
-                self.finish, upto = "stop", len(self.ids) - len(hit)
-            else:  # hold back a tail that may still become a stop text
-                upto -= max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        if self.finish is None and (len(self.ids) >= self.sampling.max_tokens or self.length + 1 >= block_size):
-            self.finish, upto = "length", len(self.ids)  # the context or max_tokens is full: release all
-        out = self.ids[self.released:upto]
-        self.released = max(self.released, upto)
-        return out
+        items = [Delta(token, self.text.feed(token))]
+        if self.text.stopped:
+            self.finish = "stop"
+        elif len(self.ids) >= self.sampling.max_tokens or self.length + 1 >= block_size:
+            self.finish = "length"  # the context or max_tokens is full: release all that was held
+        if self.finish is not None:
+            items.append(Delta(None, self.text.finish(), self.finish))
+        return items
 
 
 class GenerationEngine(Engine):
     """Generates for many requests at once with gpudl's GPT; requests join and leave between steps.
 
     Up to `max_batch_size` sequences run at once (each holds a KV cache slot); up to `max_queue`
-    more wait. Tokens are streamed as they are made.
+    more wait. Tokens are streamed as they are made, with their text as `tokenizer` (bytes by
+    default) decodes it; only tokens it knows are drawn (a model's vocabulary may be padded past it).
     """
 
-    def __init__(self, model: GPT, device: torch.device | str, *, max_batch_size: int = 16, max_queue: int = 256,
-                 dtype: torch.dtype | None = None):
+    def __init__(self, model: GPT, device: torch.device | str, *, tokenizer: Tokenizer | None = None,
+                 max_batch_size: int = 16, max_queue: int = 256, dtype: torch.dtype | None = None):
         super().__init__(model, device, max_batch_size, max_queue)
         if not isinstance(model, GPT):
             raise TypeError(f"GenerationEngine runs gpudl's GPT, got {type(model).__name__}")
         self.cfg = model.cfg
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.drawn = min(self.tokenizer.vocab_size, self.cfg.vocab_size)  # token ids sampling may choose
         self.dtype = dtype or param_dtype(model)
         try:
             self.cache = KVCache(model.cfg, max_batch_size, self.device, self.dtype)
@@ -149,9 +166,9 @@ class GenerationEngine(Engine):
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # tokens made this step, by their loop
 
     def stream(self, prompt_ids: list[int], sampling: Sampling,
-               deadline: float | None = None) -> AsyncIterator[tuple[int | None, str | None]]:
+               deadline: float | None = None) -> AsyncIterator[Delta]:
         """Queue a request now (BadInput, QueueFull, EngineStopped are raised here, before any token)
-        and return its items: (token, None) per token as made, then (None, "stop" | "length").
+        and return its items: Delta(token, text) per token as made, then Delta(None, text, "stop" | "length").
 
         Call from a coroutine (the items arrive on the running event loop).
         """
@@ -165,20 +182,20 @@ class GenerationEngine(Engine):
         items = self.stream(prompt_ids, sampling, deadline)
 
         async def tokens():
-            async for token, _ in items:
-                if token is not None:
-                    yield token
+            async for item in items:
+                if item.token is not None:
+                    yield item.token
         return tokens()
 
-    async def complete(self, prompt_ids: list[int], sampling: Sampling,
-                       deadline: float | None = None) -> tuple[list[int], str]:
-        """All new token ids and the finish reason, "stop" (a stop text; not included) or "length"."""
-        ids, finish = [], "length"
-        async for token, why in self.stream(prompt_ids, sampling, deadline):
-            if token is not None:
-                ids.append(token)
-            finish = why or finish
-        return ids, finish
+    async def complete(self, prompt_ids: list[int], sampling: Sampling, deadline: float | None = None) -> Completion:
+        """The whole answer: the same tokens and text as `stream` gives piece by piece."""
+        ids, pieces, finish = [], [], "length"
+        async for item in self.stream(prompt_ids, sampling, deadline):
+            if item.token is not None:
+                ids.append(item.token)
+            pieces.append(item.text)
+            finish = item.finish or finish
+        return Completion(ids, "".join(pieces), finish)
 
     def _check(self, prompt_ids, sampling) -> None:
         if not isinstance(sampling, Sampling):
@@ -191,8 +208,6 @@ class GenerationEngine(Engine):
         if len(prompt_ids) >= block:
             raise BadInput("prompt", f"{len(prompt_ids)} tokens leave no room for a new one in this model's "
                                      f"context of {block}: send at most {block - 1}")
-        if sampling.stop and vocab != 256:
-            raise BadInput("stop", f"stop texts need a byte-level model (vocab 256); this one has vocab {vocab}")
 
     def _run(self) -> None:
         while True:
@@ -225,7 +240,7 @@ class GenerationEngine(Engine):
                     f"waited {time.monotonic() - request.arrived:.3f} s in the queue, past its deadline: "
                     f"retry, or allow more time"))
                 continue
-            seq, slot = _Sequence(request), len(self._running)
+            seq, slot = _Sequence(request, self.tokenizer), len(self._running)
             ids = torch.tensor([request.prompt], device=self.device)  # (1, P)
             try:
                 logits = self.model.prefill(ids, self.cache, slot).float().cpu()  # (1, V)
@@ -271,13 +286,11 @@ class GenerationEngine(Engine):
         if seq.request.cancelled:
             seq.finish = "cancelled"
             return
-        visible = seq.accept(sample(logits, seq.sampling, seq.generator), self.cfg.block_size)
+        items = seq.accept(sample(logits[:self.drawn], seq.sampling, seq.generator), self.cfg.block_size)
         self.stats.tokens += 1
-        items = [(t, None) for t in visible]
         if seq.finish is not None:
-            items.append((None, seq.finish))
             self._answer(seq.request, items)
-        elif items:
+        else:
             self._outbox.setdefault(seq.request.loop, []).append((seq.request, items))
 
     def _flush(self) -> None:
@@ -305,7 +318,7 @@ class _Stream:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> tuple[int | None, str | None]:
+    async def __anext__(self) -> Delta:
         if self.done:
             raise StopAsyncIteration
         try:
@@ -316,7 +329,7 @@ class _Stream:
         if isinstance(item, BaseException):
             self.done = True
             raise item
-        self.done = item[1] is not None
+        self.done = item.finish is not None
         return item
 
     def close(self) -> None:

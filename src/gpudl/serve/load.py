@@ -7,6 +7,10 @@ What `path` may be:
   read through gpudl's checkpoint reader, which never runs code from the files;
 - a `.safetensors` file whose metadata names the model (`gpudl_model`, `config`), as `gpudl export --out` writes.
 
+A GPT's tokenizer is the `tokenizer.json` beside the weights (a run folder keeps it, `gpudl export`
+copies it), else bytes. An export records which it was trained with (`tokenizer`, and the file's
+`tokenizer_sha256`), so a folder that holds another model's tokenizer.json is refused, not decoded.
+
 Weights are read with `safetensors.torch.load_file`, never with torch.load or pickle. Everything
 read lies inside the model folder: names with `..` and links that lead out of it are refused. The
 run's training data is never read (its `data.path` may be absolute and on another machine): the
@@ -18,6 +22,7 @@ For example, `load_model("runs/gpt-tiny-20261203-120000")` gives a `Loaded` whos
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -27,6 +32,8 @@ import torch
 from torch import nn
 
 from .. import models
+from ..data.tokenizer import FILE as TOKENIZER
+from ..data.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer
 from ..errors import UserError
 from .oip import TensorSpec
 
@@ -40,8 +47,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, 
 
 @dataclass
 class Loaded:
-    """A model ready to serve. For classifiers `input_shape` is (C, H, W); for GPT `context_length`
-    and `vocab_size` are set."""
+    """A model ready to serve. For classifiers `input_shape` is (C, H, W); for GPT `context_length`,
+    `vocab_size` and `tokenizer` are set."""
 
     model: nn.Module
     spec: models.ModelSpec
@@ -55,6 +62,7 @@ class Loaded:
     input_dtype: torch.dtype | None = None
     context_length: int | None = None
     vocab_size: int | None = None
+    tokenizer: Tokenizer | None = None
 
     @property
     def describe(self) -> str:
@@ -83,13 +91,15 @@ def load_model(path: str | Path | None, device: str = "auto", precision: str = "
 
     info = detect(device)
     dtype = serving_dtype(precision, info)
-    spec, model, source, image_size = _read(path, info.torch_device)
+    spec, model, source, folder, meta = _read(path, info.torch_device)
     model = model.to(dtype).eval().requires_grad_(False)
     common = dict(model=model, spec=spec, device=info.torch_device, device_label=info.label, dtype=dtype,
                   name=_name(spec.name), source=source)
     if spec.family == "gpt":
         c = spec.config
-        return Loaded(**common, kind="gpt", context_length=c.block_size, vocab_size=c.vocab_size)
+        return Loaded(**common, kind="gpt", context_length=c.block_size, vocab_size=c.vocab_size,
+                      tokenizer=_tokenizer(folder, meta, spec, source))
+    image_size = _image_size(folder, meta, spec)
     shape = (spec.config.in_channels, image_size, image_size)
     return Loaded(**common, kind="classifier", input_shape=shape, input_dtype=torch.float32)
 
@@ -110,7 +120,7 @@ def serving_dtype(precision: str, info) -> torch.dtype:
 
 
 def _read(path, device: torch.device):
-    """(spec, model with weights on `device`, source, image size) for any kind of `path`."""
+    """(spec, model with weights on `device`, source, the folder it lies in, the weights' metadata)."""
     from ..training.trained import find_run
 
     if path is not None and Path(path).is_file():
@@ -119,17 +129,17 @@ def _read(path, device: torch.device):
             raise UserError(f"{str(path)!r} is not a .safetensors file: give a run folder, an export folder "
                             f"or a file that `gpudl export` wrote")
         spec, model, meta = _from_safetensors(file, file.parent, device)
-        return spec, model, str(file), _image_size(file.parent, meta, spec)
+        return spec, model, str(file), file.parent, meta
     folder = Path(path) if path is not None else find_run(None)
     if not folder.is_dir():
         raise UserError(f"{str(path)!r} does not exist: give a run folder (runs/...), an export folder or a "
                         f".safetensors file")
     if _inside(folder, WEIGHTS).is_file():
         spec, model, meta = _from_safetensors(_inside(folder, WEIGHTS), folder, device)
-        return spec, model, str(folder / WEIGHTS), _image_size(folder, meta, spec)
+        return spec, model, str(folder / WEIGHTS), folder, meta
     find_run(str(folder))  # a run folder, or a UserError that says what the folder lacks
     spec, model, ckpt = _from_checkpoint(folder, device)
-    return spec, model, str(ckpt), _image_size(folder, {}, spec)
+    return spec, model, str(ckpt), folder, {}
 
 
 def _inside(folder: Path, name: str) -> Path:
@@ -177,6 +187,28 @@ def _spec(file: Path, folder: Path, meta: dict[str, str]) -> models.ModelSpec:
 
     cfg = load_config(config)
     return models.from_config(cfg)
+
+
+def _tokenizer(folder: Path, meta: dict[str, str], spec: models.ModelSpec, source: str) -> Tokenizer:
+    """The tokenizer of a GPT's weights: as the export recorded it, else the tokenizer.json beside them, else bytes."""
+    path = _inside(folder, TOKENIZER)
+    if meta.get("tokenizer") == "bytes":  # exported from a byte-level run: a tokenizer.json here is another's
+        tokenizer = ByteTokenizer()
+    elif path.is_file():
+        want = meta.get("tokenizer_sha256")
+        if want and hashlib.sha256(path.read_bytes()).hexdigest() != want:
+            raise UserError(f"{path} is not the tokenizer {source} was exported with (its sha256 differs): "
+                            f"export the run again into a folder of its own")
+        tokenizer = FileTokenizer.from_file(path)
+    elif meta.get("tokenizer_sha256"):
+        raise UserError(f"{source} was exported with a {TOKENIZER} and {path} is missing: copy the run's "
+                        f"{TOKENIZER} beside it (gpudl export does)")
+    else:
+        return ByteTokenizer()  # a model of fewer ids than bytes still serves the prompts it knows (checked per request)
+    if tokenizer.vocab_size > spec.config.vocab_size:
+        raise UserError(f"{tokenizer.name} has {tokenizer.vocab_size} tokens, more than the {spec.config.vocab_size} "
+                        f"of {source}'s model: it is another model's tokenizer; serve the run's own export")
+    return tokenizer
 
 
 def _image_size(folder: Path, meta: dict[str, str], spec: models.ModelSpec) -> int | None:

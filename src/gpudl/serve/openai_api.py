@@ -2,8 +2,8 @@
 and streamed as server-sent events) and `/v1/models`, as pure functions from request bytes to a
 `CompletionRequest` and from generated text to response bodies.
 
-The models are byte-level (vocabulary 256): one token is one byte of UTF-8, so token counts in
-`usage` and in the context-length check are byte counts.
+Prompts are encoded with the served model's tokenizer (bytes unless its run kept a
+`tokenizer.json`): `usage`, `max_tokens` and the context-length check count its tokens.
 
 Chat messages become one prompt with a plain template, one line per message and an open turn for
 the model, since the models know no special tokens:
@@ -21,23 +21,25 @@ Every refused request raises `ProtocolError` (from `oip`, the one error type of 
 
 from __future__ import annotations
 
-import codecs
 import json
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..data.tokenizer import ByteTokenizer, Tokenizer
+from .detok import longest_token_bytes
 from .oip import ProtocolError, kind_of
 from .sse import SSE_DONE, sse_event
 
 __all__ = ["CompletionRequest", "parse_completion", "parse_chat", "completion_response", "chat_response",
-           "completion_chunks", "chat_chunks", "Utf8Stream", "models_list", "openai_error", "SSE_DONE",
+           "completion_chunks", "chat_chunks", "models_list", "openai_error", "SSE_DONE",
            "CHAT_ROLES"]
 
 MAX_STOP = 4
 DEFAULT_MAX_TOKENS = 16        # OpenAI's default for /v1/completions
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 SEED_RANGE = (-(2**63), 2**64 - 1)   # what torch.Generator.manual_seed accepts
+BYTES = ByteTokenizer()               # the tokenizer of a model that kept none
 # Fields whose non-default values would change the answer in ways gpudl does not implement: refused
 # rather than silently ignored. Any other unknown field is ignored, as clients add their own.
 _UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0), "suffix": (None,),
@@ -61,6 +63,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False     # stream_options.include_usage: a last chunk with usage
     n: int = 1
+    prompt_ids: list[int] = field(default_factory=list, compare=False, repr=False)   # the prompt, encoded
 
 
 def _bad(param: str, message: str, status: int = 400, code: str | None = None) -> ProtocolError:
@@ -164,16 +167,29 @@ def _stream_options(request: dict, stream: bool) -> bool:
     return _flag(options, "include_usage", where="stream_options.")
 
 
-def _sampling(request: dict, prompt: str, prompt_param: str, max_tokens: int, max_param: str, model: str,
-              context_length: int) -> CompletionRequest:
+def _encode(prompt: str, param: str, context_length: int, tokenizer: Tokenizer) -> list[int]:
+    """The prompt's token ids, refused when they leave no room in the context."""
+    raw, templated = _utf8(prompt, param), " with the chat template" if param == "messages" else ""
+    # A prompt far too long is refused before it is encoded (a client's 64 MiB would cost the server
+    # gigabytes of token objects): x2, as a tokenizer's normaliser may drop some of the text.
+    most = context_length * longest_token_bytes(tokenizer) * 2
+    if len(raw) > most:
+        raise _bad(param, f"{len(raw)} UTF-8 bytes{templated}, more than this model's context length of "
+                          f"{context_length} tokens can hold; shorten it")
+    ids = tokenizer.encode(prompt)
+    if len(ids) >= context_length:
+        unit = " (UTF-8 bytes)" if tokenizer.name == "bytes" else ""
+        raise _bad(param, f"{len(ids)} tokens{unit}{templated}, which leaves no room in this "
+                          f"model's context length of {context_length}; shorten it")
+    return ids
+
+
+def _sampling(request: dict, prompt: str, prompt_ids: list[int], prompt_param: str, max_tokens: int,
+              max_param: str, model: str, context_length: int) -> CompletionRequest:
     _refuse_unsupported(request)
-    prompt_tokens = len(_utf8(prompt, prompt_param))
-    if prompt_tokens >= context_length:
-        templated = " with the chat template" if prompt_param == "messages" else ""
-        raise _bad(prompt_param, f"{prompt_tokens} tokens (UTF-8 bytes){templated}, which leaves no room in this "
-                                 f"model's context length of {context_length}; shorten it")
+    prompt_tokens = len(prompt_ids)
     if prompt_tokens + max_tokens > context_length:
-        raise _bad(max_param, f"the prompt is {prompt_tokens} tokens (UTF-8 bytes) and {max_param} is "
+        raise _bad(max_param, f"the prompt is {prompt_tokens} tokens and {max_param} is "
                                  f"{max_tokens}, {prompt_tokens + max_tokens} in all, over this model's context "
                                  f"length of {context_length}: lower {max_param} to at most "
                                  f"{context_length - prompt_tokens} or shorten the {prompt_param}")
@@ -185,11 +201,13 @@ def _sampling(request: dict, prompt: str, prompt_param: str, max_tokens: int, ma
         top_p=float(_number(request, "top_p", 1.0, 0, 1, lo_open=True)),
         top_k=top_k if top_k and top_k > 0 else None,   # 0 and -1 (vLLM's "off") mean no top-k
         stop=_stop(request), seed=_number(request, "seed", None, *SEED_RANGE, integer=True),
-        stream=stream, include_usage=_stream_options(request, stream))
+        stream=stream, include_usage=_stream_options(request, stream), prompt_ids=prompt_ids)
 
 
-def parse_completion(body: bytes, context_length: int, default_model: str) -> CompletionRequest:
-    """A `/v1/completions` request: `prompt` is a string (or a list holding one string).
+def parse_completion(body: bytes, context_length: int, default_model: str,
+                     tokenizer: Tokenizer = BYTES) -> CompletionRequest:
+    """A `/v1/completions` request: `prompt` is a string (or a list holding one string), encoded
+    with `tokenizer`.
 
     >>> parse_completion(b'{"prompt": "Hi", "stop": "\\\\n", "temperature": 0}', 64, "gpt").stop
     ['\\n']
@@ -205,10 +223,11 @@ def parse_completion(body: bytes, context_length: int, default_model: str) -> Co
     if not prompt:
         raise _bad("prompt", "empty; the model needs at least one byte to continue")
     max_tokens = _number(request, "max_tokens", DEFAULT_MAX_TOKENS, 1, context_length, integer=True)
-    return _sampling(request, prompt, "prompt", max_tokens, "max_tokens", model, context_length)
+    ids = _encode(prompt, "prompt", context_length, tokenizer)
+    return _sampling(request, prompt, ids, "prompt", max_tokens, "max_tokens", model, context_length)
 
 
-def parse_chat(body: bytes, context_length: int, default_model: str) -> CompletionRequest:
+def parse_chat(body: bytes, context_length: int, default_model: str, tokenizer: Tokenizer = BYTES) -> CompletionRequest:
     """A `/v1/chat/completions` request: `messages` rendered by `chat_prompt`. Without
     `max_completion_tokens` (or the older `max_tokens`) the answer may fill the rest of the context.
 
@@ -219,9 +238,9 @@ def parse_chat(body: bytes, context_length: int, default_model: str) -> Completi
     model = _model(request, default_model)
     prompt = chat_prompt(request.get("messages"))
     key = "max_completion_tokens" if request.get("max_completion_tokens") is not None else "max_tokens"
-    room = max(context_length - len(_utf8(prompt, "messages")), 1)
-    max_tokens = _number(request, key, room, 1, context_length, integer=True)
-    return _sampling(request, prompt, "messages", max_tokens, key, model, context_length)
+    ids = _encode(prompt, "messages", context_length, tokenizer)
+    max_tokens = _number(request, key, context_length - len(ids), 1, context_length, integer=True)
+    return _sampling(request, prompt, ids, "messages", max_tokens, key, model, context_length)
 
 
 def chat_prompt(messages) -> str:
@@ -336,26 +355,6 @@ def completion_chunks(model: str) -> _Chunks:
 def chat_chunks(model: str) -> _Chunks:
     """The SSE events of a streamed chat answer (`chat.completion.chunk`, the role in the first)."""
     return _ChatChunks(model)
-
-
-class Utf8Stream:
-    """Bytes (the model's tokens) to text for streaming: holds back an incomplete UTF-8 sequence
-    until its last byte arrives, so no delta carries half a character; invalid bytes become U+FFFD.
-
-    >>> s = Utf8Stream()
-    >>> s.feed("é".encode()[:1]), s.feed("é".encode()[1:])
-    ('', 'é')
-    """
-
-    def __init__(self):
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def feed(self, data: bytes) -> str:
-        return self._decoder.decode(data)
-
-    def flush(self) -> str:
-        """What is left at the end of the stream (an unfinished sequence becomes U+FFFD)."""
-        return self._decoder.decode(b"", final=True)
 
 
 def models_list(names: list[str], created: int | None = None) -> dict:

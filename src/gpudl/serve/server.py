@@ -146,7 +146,8 @@ def make_engine(loaded, *, max_batch_size: int = 32, max_queue_delay_ms: float =
     if loaded.kind == "gpt":
         from .generation import GenerationEngine
 
-        return GenerationEngine(loaded.model, loaded.device, max_batch_size=max_batch_size, max_queue=max_queue)
+        return GenerationEngine(loaded.model, loaded.device, tokenizer=loaded.tokenizer, max_batch_size=max_batch_size,
+                                max_queue=max_queue)
     from .batching import BatchingEngine
 
     return BatchingEngine(loaded.model, loaded.device, max_batch_size=max_batch_size,

@@ -19,6 +19,7 @@ from ..checkpoint import Checkpointer, complete_checkpoints, export_safetensors
 from ..checkpoint.files import check_like
 from ..checkpoint.streams import rng_note
 from ..config import Config
+from ..data.tokenizer import Tokenizer, run_tokenizer
 from ..errors import UserError
 from .loop import Job, TrainState
 from .session import Session
@@ -90,13 +91,14 @@ def _full_model_on(spec: models.ModelSpec, ckpt: Checkpointer, device: torch.dev
 
 
 def after_training(cfg: Config, spec: models.ModelSpec, model: nn.Module, ckpt: Checkpointer, session: Session,
-                   run_dir: Path, console: Console) -> None:
-    """Export the weights and, for a byte-level GPT, write a sample: on rank 0 only."""
+                   run_dir: Path, console: Console, tokenizer: Tokenizer | None = None) -> None:
+    """Export the weights and, for a GPT, write a sample through `tokenizer` (default: the run
+    folder's, as `gpudl generate` reads it): on rank 0 only."""
     if session.world > 1:
         dist.barrier()  # the final checkpoint is complete on every rank
     if not session.is_writer:
         return
-    wants_sample = spec.is_language_model and cfg.sample.tokens and spec.config.vocab_size >= 256
+    wants_sample = spec.is_language_model and cfg.sample.tokens
     if not (cfg.checkpoint.export or wants_sample):
         return
     if session.mesh is not None:  # the weights are FSDP's shards (even of one process): read the whole model back
@@ -104,7 +106,7 @@ def after_training(cfg: Config, spec: models.ModelSpec, model: nn.Module, ckpt: 
     if cfg.checkpoint.export:
         _export(model, spec, run_dir, console)
     if wants_sample:
-        _sample(model, spec, cfg, session, run_dir, console)
+        _sample(model, cfg, session, run_dir, console, tokenizer or run_tokenizer(run_dir))
 
 
 def _export(model: nn.Module, spec: models.ModelSpec, run_dir: Path, console: Console) -> None:
@@ -116,16 +118,21 @@ def _export(model: nn.Module, spec: models.ModelSpec, run_dir: Path, console: Co
         console.print(f"Weights not exported: {e}", markup=False)
 
 
-def _sample(model: nn.Module, spec, cfg: Config, session: Session, run_dir: Path, console: Console) -> None:
-    from ..models.generate import sample_text
+def _sample(model: nn.Module, cfg: Config, session: Session, run_dir: Path, console: Console,
+            tokenizer: Tokenizer) -> None:
+    from ..models.generate import UnknownToken, sample_text
 
     device = session.device
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     if device.memory_bytes and size <= SAMPLE_MEMORY_SHARE * device.memory_bytes:
         model = model.to(device.torch_device)
     t0 = time.perf_counter()
-    text = sample_text(model, cfg.sample.prompt, cfg.sample.tokens, cfg.sample.temperature, cfg.sample.top_k,
-                       seed=cfg.run.seed)
+    try:
+        text = sample_text(model, cfg.sample.prompt, cfg.sample.tokens, cfg.sample.temperature, cfg.sample.top_k,
+                           seed=cfg.run.seed, tokenizer=tokenizer)
+    except UnknownToken as e:  # the run is trained all the same: say so and go on
+        console.print(f"No sample: {e}", markup=False)
+        return
     (run_dir / "sample.txt").write_text(text)
     console.print(f"Sample ({time.perf_counter() - t0:.1f}s), also in {run_dir / 'sample.txt'}:")
     console.print(text, markup=False, highlight=False)
