@@ -35,10 +35,17 @@ class ModelConfig:
 class DataConfig:
     kind: Literal["auto", "text", "tokens", "images", "synthetic"] = option(
         "auto", "auto: text for GPT models, images for CNNs")
-    path: str | None = option(None, "text file/folder, token file, image folder, or 'sklearn:digits'; "
+    path: str | None = option(None, "text: a file or folder of text, .jsonl or .parquet files, or a dataset saved by "
+                                    "Hugging Face datasets; a token file, an image folder, or 'sklearn:digits'; "
                                     "none: the embedded standard-library corpus or generated shapes")
     val_path: str | None = option(None, "an image folder's own validation folder (class subfolders named as "
                                         "data.path's); none: data.val_fraction of data.path is held out")
+    tokenizer: str = option(
+        "auto", "how text becomes tokens: bytes (UTF-8 bytes, vocabulary 256); bpe (a byte-level BPE trained once on "
+                "the training part, sized to model.vocab_size, cached); the path of a tokenizer.json; auto: bpe where "
+                "model.vocab_size is above 256, else bytes. A resumed or evaluated run keeps its own tokenizer.json")
+    text_field: str = option("text", "the field of a .jsonl line, or the column of a Parquet file or a saved Hugging "
+                                     "Face dataset, that holds the text")
     token_dtype: Literal["uint8", "uint16", "uint32"] = option("uint16", "element type of a token file")
     val_fraction: float = option(0.05, "share of the data held out for evaluation", ge=0.0, le=0.5)
     image_size: int = option(32, "side of the square images fed to a CNN", ge=8)

@@ -21,7 +21,9 @@ from .folder_index import index_folder
 from .images import ImageBatches, ImageEvalBatches, load_images
 from .loader import Batch, BatchSource, DeviceLoader, first_batches, usable_cores
 from .synthetic import SyntheticImages, SyntheticTokens
-from .text import TextBatches, TokenStream, byte_corpus
+from .text import TextBatches, TokenStream
+from .text_data import text_tokens
+from .tokenizer import Tokenizer
 
 NO_VAL = "data.val_fraction is 0: set it > 0 to hold out part of the data"
 KINDS_FOR = {"gpt": ("text", "tokens", "synthetic"), "resnet": ("images", "synthetic")}
@@ -39,6 +41,8 @@ class Data:
     model_fit: dict = field(default_factory=dict)  # model settings the data implies (classes, channels)
     vocab_size: int | None = None
     no_val: str = ""               # why there is no validation part (when `val` is None)
+    tokenizer: Tokenizer | None = None       # text's tokenizer (None: token ids of unknown text)
+    bytes_per_token: float | None = None     # UTF-8 bytes of validation text per validation token (bits per byte)
 
     def eval_batches(self, wanted: int) -> int:
         """How many validation batches to evaluate: `wanted`, but one pass at most of a finite set."""
@@ -46,19 +50,21 @@ class Data:
 
 
 def build_data(cfg: DataConfig, spec: ModelSpec, batch_size: int, seed: int, rank: int = 0, world: int = 1,
-               eval_batch_size: int | None = None) -> Data:
+               eval_batch_size: int | None = None, tokenizer: Tokenizer | None = None) -> Data:
     """The data source for model `spec`, sharded for data-parallel `rank` of `world`: training
-    batches of `batch_size` rows, validation batches of `eval_batch_size` (default: the same)."""
+    batches of `batch_size` rows, validation batches of `eval_batch_size` (default: the same).
+    `tokenizer`: the one a run folder kept (a resumed or evaluated run), used for text instead of
+    data.tokenizer."""
     sizes = (batch_size, eval_batch_size or batch_size)
     kind = cfg.kind if cfg.kind != "auto" else KINDS_FOR[spec.family][0]
     if kind not in KINDS_FOR[spec.family]:
         raise UserError(f"data.kind={kind!r} cannot feed {spec.name}; use one of: {', '.join(KINDS_FOR[spec.family])}")
     if spec.family == "gpt":
-        return _token_data(cfg, kind, spec, sizes, seed, rank, world)
+        return _token_data(cfg, kind, spec, sizes, seed, rank, world, tokenizer)
     return _image_data(cfg, kind, spec, sizes, seed, rank, world)
 
 
-def _token_data(cfg, kind, spec, sizes, seed, rank, world) -> Data:
+def _token_data(cfg, kind, spec, sizes, seed, rank, world, tokenizer) -> Data:
     block, (batch_size, eval_size) = spec.config.block_size, sizes
     if cfg.val_path:
         raise UserError("data.val_path is read for image folders only: hold out part of the text with "
@@ -68,13 +74,13 @@ def _token_data(cfg, kind, spec, sizes, seed, rank, world) -> Data:
         return Data(SyntheticTokens(v, block, batch_size, seed + rank), SyntheticTokens(v, block, eval_size, seed + 10**6),
                     "tokens", block, f"random tokens (vocab {v})", vocab_size=v)
     if kind == "text":
-        file, dtype = byte_corpus(cfg.path), "uint8"
-        what = "Python standard-library source" if cfg.path is None else cfg.path
+        text = text_tokens(cfg, spec.config.vocab_size, tokenizer, show=rank == 0)
+        stream, description, tokenizer, per_token = text.stream, text.description, text.tokenizer, text.bytes_per_token
     else:
         if cfg.path is None or not Path(cfg.path).is_file():
             raise UserError(f"data.kind='tokens' needs data.path to be a token file, got {cfg.path!r}")
-        file, dtype, what = Path(cfg.path), cfg.token_dtype, cfg.path
-    stream = TokenStream(file, dtype, cfg.val_fraction)
+        stream, per_token = TokenStream(Path(cfg.path), cfg.token_dtype, cfg.val_fraction), None
+        description = f"{cfg.path}: {len(stream.tokens):,} tokens ({cfg.token_dtype})"
     if stream.vocab_size > spec.config.vocab_size:
         raise UserError(f"the data has token ids up to {stream.vocab_size - 1} but model.vocab_size="
                         f"{spec.config.vocab_size}: set --set model.vocab_size={stream.vocab_size}")
@@ -84,8 +90,9 @@ def _token_data(cfg, kind, spec, sizes, seed, rank, world) -> Data:
     no_val = "" if val else NO_VAL if not cfg.val_fraction else \
         (f"data.val_fraction={cfg.val_fraction} leaves {len(val_part):,} tokens for validation, fewer than one "
          f"window of model.block_size+1={block + 1}: raise data.val_fraction")
-    return Data(train, val, "tokens", block, f"{what}: {len(stream.tokens):,} tokens ({dtype})",
-                vocab_size=stream.vocab_size, no_val=no_val)
+    vocab = tokenizer.vocab_size if kind == "text" else stream.vocab_size
+    return Data(train, val, "tokens", block, description, vocab_size=vocab, no_val=no_val, tokenizer=tokenizer,
+                bytes_per_token=per_token)
 
 
 def _image_data(cfg, kind, spec, sizes, seed, rank, world) -> Data:

@@ -11,12 +11,16 @@ nothing in it can run code. One that does not parse is one line naming it.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import UserError
 
 FILE = "tokenizer.json"
+EOT = "<|endoftext|>"   # the special token that ends each document in a token file (GPT-2's)
 
 
 class Tokenizer:
@@ -24,6 +28,12 @@ class Tokenizer:
 
     name: str
     vocab_size: int
+    eot_id: int | None = None   # the id that ends a document in a token file; None: "\n\n" text does
+
+    @property
+    def digest(self) -> str:
+        """What identifies this tokenizer's ids (the key of token files made with it)."""
+        raise NotImplementedError
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -43,6 +53,10 @@ class Tokenizer:
 class ByteTokenizer(Tokenizer):
     name, vocab_size = "bytes", 256
 
+    @property
+    def digest(self) -> str:
+        return "bytes"
+
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
@@ -57,7 +71,7 @@ class FileTokenizer(Tokenizer):
         try:
             from tokenizers import Tokenizer as HFTokenizer
         except ImportError:
-            raise UserError("a BPE tokenizer needs Hugging Face tokenizers: pip install 'gpudl[text]'") from None
+            raise UserError("a BPE tokenizer needs Hugging Face tokenizers: pip install tokenizers") from None
         try:
             self._tok = HFTokenizer.from_str(json_text)
         except Exception as e:  # the library raises its own Exception type for malformed JSON
@@ -65,6 +79,7 @@ class FileTokenizer(Tokenizer):
                             f"({str(e)[:120]}): use a tokenizer.json saved by tokenizers, or data.tokenizer=bytes") from None
         self.name, self.json_text = name, json_text
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eot_id = self._tok.token_to_id(EOT)
 
     @classmethod
     def from_file(cls, path: Path) -> FileTokenizer:
@@ -73,6 +88,10 @@ class FileTokenizer(Tokenizer):
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"cannot read tokenizer {str(path)!r} ({e}): point data.tokenizer at a "
                             f"tokenizer.json") from None
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.json_text.encode("utf-8")).hexdigest()[:16]
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -85,8 +104,21 @@ class FileTokenizer(Tokenizer):
 
     def save(self, folder: Path) -> Path:
         out = Path(folder) / FILE
-        out.write_text(self.json_text, encoding="utf-8")
+        write_atomically(out, self.json_text.encode("utf-8"))
         return out
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`path` holds `data` whole or keeps what it held: a crash never leaves half a file under its name."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)  # as a file written plainly would be (mkstemp makes it private)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def run_tokenizer(run_dir: Path) -> Tokenizer:

@@ -94,26 +94,26 @@ def traced_here(cfg: Config, world: int) -> Phases:
 
 
 def _one_process(cfg: Config, ddp: bool) -> Phases:
-    from ..training.job import model_and_data
+    from ..training.job import model_and_shapes
     from ..training.session import Session
     from .trace import trace_step
 
     single = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp_replicate=1, dp_shard=1, tp=1,
                                                                   pp=1))
-    _, data = model_and_data(single)
+    _, data = model_and_shapes(single)
     return trace_step(single, Session(cpu_info()), data.train.batch(0), ddp=ddp)
 
 
 def _as_rank_zero(cfg: Config, world: int) -> Phases:
     """Rank 0 of `world` processes; their collectives go to the default group, torch's fake one."""
     from ..distributed.env import DistEnv
-    from ..training.job import model_and_data
+    from ..training.job import model_and_shapes
     from ..training.session import Session, plan_parallel
     from .trace import trace_step
 
     session = Session(cpu_info(), env=DistEnv(0, world, 0, world))
     plan_parallel(session, cfg.parallel)
-    _, data = model_and_data(cfg, *session.dp)
+    _, data = model_and_shapes(cfg, *session.dp)
     return trace_step(cfg, session, data.train.batch(0))
 
 
@@ -122,7 +122,7 @@ def pipeline_here(cfg: Config, world: int) -> dict[str, int]:
     With data or tensor parallelism beside it, this process must have the fake process group of `world`
     (`fake_jobs.py`): its stages are parallelized as rank 0's."""
     from ..distributed.env import DistEnv
-    from ..training.job import model_and_data
+    from ..training.job import model_and_shapes
     from ..training.session import Session, plan_parallel
     from .pipeline import rank_peaks
 
@@ -130,5 +130,5 @@ def pipeline_here(cfg: Config, world: int) -> dict[str, int]:
     if dims_of(cfg, world).pp != world:
         session = Session(cpu_info(), env=DistEnv(0, world, 0, world))
         plan_parallel(session, cfg.parallel)
-    _, data = model_and_data(cfg)
+    _, data = model_and_shapes(cfg)
     return max(rank_peaks(cfg, data.train.batch(0), session), key=on_device)

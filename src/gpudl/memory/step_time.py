@@ -51,9 +51,9 @@ def flops_per_sample(cfg: Config) -> StepFlops:
 def _count_flops_per_sample(cfg: Config) -> StepFlops:
     from ..distributed.parallelize import block_units
     from ..observe.flops import count_step_flops, meta_batch
-    from ..training.job import model_and_data
+    from ..training.job import model_and_shapes
 
-    spec, data = model_and_data(cfg)
+    spec, data = model_and_shapes(cfg)
     one = meta_batch(tuple(t[:1] for t in data.train.batch(0)))
     model = models.build_meta(spec)
     return StepFlops(*count_step_flops(model, one, models.loss_for(spec), block_units(model)))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from torch import nn
 from .. import models
 from ..config import Config
 from ..data import Data, build_data
+from ..data.tokenizer import Tokenizer
 from ..data.loader import Batch
 from ..errors import UserError
 from ..device.kernels import attention_kernel
@@ -42,12 +43,14 @@ from .precision import Precision
 from .session import Session
 
 
-def model_and_data(cfg: Config, rank: int = 0, world: int = 1) -> tuple[models.ModelSpec, Data]:
+def model_and_data(cfg: Config, rank: int = 0, world: int = 1,
+                   tokenizer: Tokenizer | None = None) -> tuple[models.ModelSpec, Data]:
+    """The model's spec and its data; `tokenizer`: a run folder's own, for its text (`build_data`)."""
     spec = models.from_config(cfg)
     # A step's rows come in one batch, cut into micro-batches by the loop: how a step is cut never
     # changes what it trains on (training/micro.py). Evaluation takes micro-batch-sized batches.
     data = build_data(cfg.data, spec, cfg.train.batch_size * cfg.train.grad_accum, cfg.run.seed, rank, world,
-                      eval_batch_size=cfg.train.batch_size)
+                      eval_batch_size=cfg.train.batch_size, tokenizer=tokenizer)
     for key, value in data.model_fit.items():
         if key in cfg.model.overrides and cfg.model.overrides[key] != value:
             raise UserError(f"model.{key}={cfg.model.overrides[key]} does not match the data, which has {value}: "
@@ -55,6 +58,16 @@ def model_and_data(cfg: Config, rank: int = 0, world: int = 1) -> tuple[models.M
     if data.model_fit:
         spec = models.from_config(cfg, data.model_fit)
     return spec, data
+
+
+def model_and_shapes(cfg: Config, rank: int = 0, world: int = 1) -> tuple[models.ModelSpec, Data]:
+    """`model_and_data` for what needs a step's shapes and not its words (a plan, a FLOP count): a
+    language model's text becomes random ids of the same shape, so nothing is read or tokenised (a
+    recipe's BPE is trained by the run that needs it). An image folder is still read: it sets the
+    model's classes."""
+    if models.from_config(cfg).family == "gpt" and cfg.data.kind in ("auto", "text"):
+        cfg = replace(cfg, data=replace(cfg.data, kind="synthetic"))
+    return model_and_data(cfg, rank, world)
 
 
 @dataclass

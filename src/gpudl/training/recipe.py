@@ -31,7 +31,7 @@ from ..observe.flops import count_training_flops, meta_batch
 from .job import Task, build_job, model_and_data
 from .loop import Job, OutOfMemoryAtOneRow, TrainState
 from .precision import Precision, make_precision
-from .run_dir import after_training, resolve_run_dir, restore_job
+from .run_dir import after_training, keep_tokenizer, kept_tokenizer, resolve_run_dir, restore_job
 from .runner import Execution, Workload, background_saves, execute
 from .session import Session, plan_parallel, start_session
 
@@ -111,7 +111,7 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
 def _train(cfg: Config, session: Session, precision: Precision, resume, console: Console) -> RunResult:
     with session.during("plan agreement"):
         plan_parallel(session, cfg.parallel, shard_wanted(cfg, session))
-        spec, data = model_and_data(cfg, *session.dp)
+        spec, data = model_and_data(cfg, *session.dp, tokenizer=kept_tokenizer(cfg, resume))
         run_dir, resuming = resolve_run_dir(cfg, resume, session)
     with session.during("model set-up"):
         job, work = recipe_job(cfg, spec, data, session, precision)
@@ -120,6 +120,7 @@ def _train(cfg: Config, session: Session, precision: Precision, resume, console:
     state, rng_note = restore_job(ckpt, job, cfg, session.world) if resuming else (TrainState(), None)
     if session.is_writer:
         (run_dir / "config.toml").write_text(cfg.to_toml())  # only now: a refused resume changes nothing
+        keep_tokenizer(run_dir, data.tokenizer)  # what evaluate, generate, export and a resume read
     ranks_here = session.env.local_world_size if session.env is not None else 1
     loader = DeviceLoader(data.train, session.device.torch_device, start=state.batches,
                           num_workers=cfg.data.num_workers, cores=max(1, usable_cores() // ranks_here))

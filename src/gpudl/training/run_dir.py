@@ -35,17 +35,38 @@ def resolve_run_dir(cfg: Config, resume: str | Path | None, session: Session) ->
     resumed when it has a checkpoint, else started (a restarted job's first attempt may have
     died before its first checkpoint).
     """
-    if resume == "auto":
-        if not cfg.run.name:
-            raise UserError("--resume auto needs a run name that every attempt shares: set --set run.name=...")
-        run_dir = Path(cfg.run.dir) / cfg.run.name
-        resuming = bool(complete_checkpoints(run_dir / "checkpoints"))
-    elif resume is not None:
-        run_dir, resuming = Path(resume), True
+    if resume == "auto" and not cfg.run.name:
+        raise UserError("--resume auto needs a run name that every attempt shares: set --set run.name=...")
+    resumed = resumed_folder(cfg, resume)
+    if resumed is not None:
+        run_dir, resuming = resumed, True
+    elif resume == "auto":
+        run_dir, resuming = Path(cfg.run.dir) / cfg.run.name, False
     else:
         run_dir, resuming = _new_run_dir(cfg, session), False
     prepare_run_dir(run_dir, session)
     return run_dir, resuming
+
+
+def resumed_folder(cfg: Config, resume: str | Path | None) -> Path | None:
+    """The folder of the run `resume` continues from a checkpoint; None where a run starts."""
+    if resume == "auto":
+        run_dir = Path(cfg.run.dir) / (cfg.run.name or "")
+        return run_dir if cfg.run.name and complete_checkpoints(run_dir / "checkpoints") else None
+    return Path(resume) if resume is not None else None
+
+
+def kept_tokenizer(cfg: Config, resume: str | Path | None) -> Tokenizer | None:
+    """The tokenizer of the run being continued (its tokenizer.json, else bytes): a resumed run reads
+    its text as it began, never through a tokenizer trained again; None for a new run."""
+    folder = resumed_folder(cfg, resume)
+    return run_tokenizer(folder) if folder is not None else None
+
+
+def keep_tokenizer(run_dir: Path, tokenizer: Tokenizer | None) -> None:
+    """Write the run's tokenizer.json beside its config.toml (bytes need none); rank 0 calls it."""
+    if tokenizer is not None:
+        tokenizer.save(run_dir)
 
 
 def prepare_run_dir(run_dir: Path, session: Session) -> None:

@@ -11,6 +11,7 @@ from .. import models
 from ..checkpoint import Checkpointer, model_fingerprint
 from ..config import Config, load_config
 from ..data import Data
+from ..data.tokenizer import run_tokenizer
 from ..device import DeviceInfo, detect
 from ..errors import UserError
 from .job import model_and_data
@@ -45,7 +46,7 @@ def load_trained(run_dir: Path, device: str = "auto") -> Trained:
     """Rebuild the run's model on `device` and load the weights of its newest checkpoint."""
     cfg = load_config(run_dir / "config.toml")
     info = detect(device)
-    spec, data = model_and_data(cfg)
+    spec, data = model_and_data(cfg, tokenizer=run_tokenizer(run_dir))  # the run's text as it trained on it
     model = models.build(spec, info.torch_device)
     fp = model_fingerprint(spec.name, spec.config)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, fp)
