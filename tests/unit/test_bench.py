@@ -34,9 +34,9 @@ CELL = {"model": str, "device": str, "device_kind": str, "precision": str, "comp
         "step_times_s": (list, type(None)),
         **{k: (*NUM, type(None)) for k in ("samples_per_s", "units_per_s", "samples_per_s_mean", "step_s_p50",
                                            "step_s_p90", "step_s_mean", "cv", "flops_per_step", "achieved_flops",
-                                           "peak_flops", "mfu", "peak_mem_bytes", "compile_s", "warmup_s",
-                                           "data_wait_frac", "loader_workers", "speedup_vs_cpu", "bytes_per_step",
-                                           "intensity")}}
+                                           "peak_flops", "mfu", "mfu_datasheet", "peak_mem_bytes", "compile_s",
+                                           "warmup_s", "data_wait_frac", "loader_workers", "speedup_vs_cpu",
+                                           "bytes_per_step", "intensity")}}
 SCHEMA = {
     "schema": str, "created": str, "command": (str, type(None)), "duration_s": NUM,
     "machine": {"platform": str, "python": str, "cpu": str, "cpu_cores": int, "cpu_isa": str,

@@ -27,7 +27,7 @@ from ..data import DeviceLoader, build_data, usable_cores
 from ..device import DeviceInfo, synchronize
 from ..device.host import release_freed_memory
 from ..observe.metrics import peak_memory_bytes, reset_peak_memory
-from ..device.peak import measured_peak_flops, peak_key
+from ..device.peak import datasheet_peak_flops, measured_peak_flops, peak_key
 from ..training.precision import make_precision
 from ..training.job import Task, build_job
 from ..training.loop import Job, NoEvents, TrainState, train_loop
@@ -36,8 +36,8 @@ from ..training.session import Session
 # The measured figures of a cell; a failed cell has each of them as None.
 FIGURES = ("step_times_s", "samples_per_s", "units_per_s", "samples_per_s_mean", "step_s_p50", "step_s_p90",
            "step_s_mean", "cv",
-           "flops_per_step", "achieved_flops", "peak_flops", "mfu", "peak_mem_bytes", "compile_s", "warmup_s",
-           "data_wait_frac", "loader_workers")
+           "flops_per_step", "achieved_flops", "peak_flops", "mfu", "mfu_datasheet", "peak_mem_bytes", "compile_s",
+           "warmup_s", "data_wait_frac", "loader_workers")
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,8 @@ def _timed_steps(job: Job, cell: Cell, state: TrainState, tick: Callable[[], Non
     return times
 
 
-def _figures(cell: Cell, times: list[float], warm: list[float], flops_per_sample: int | None, peak: float) -> dict:
+def _figures(cell: Cell, times: list[float], warm: list[float], flops_per_sample: int | None, peak: float,
+             datasheet: float | None) -> dict:
     train = cell.cfg.train
     samples = train.batch_size * train.grad_accum
     p50 = statistics.median(times)
@@ -126,6 +127,7 @@ def _figures(cell: Cell, times: list[float], warm: list[float], flops_per_sample
         "cv": statistics.pstdev(times) / mean if len(times) > 1 else 0.0,
         "flops_per_step": flops, "achieved_flops": flops and flops / p50, "peak_flops": peak,
         "mfu": flops and flops / p50 / peak,
+        "mfu_datasheet": flops and datasheet and flops / p50 / datasheet,  # None: no datasheet figure (a CPU)
         "warmup_s": sum(warm),
         # What the warm-up cost beyond steady steps: compilation, for a compiled model.
         "compile_s": max(0.0, sum(warm) - len(warm) * p50) if cell.compile else None,
@@ -140,12 +142,13 @@ def _percentile(values: list[float], q: float) -> float:
 def _measure(cell: Cell, timing: Timing, flops_per_sample: int | None, tick: Callable[[], None]) -> dict:
     warmup = timing.warmup_for(cell)
     job, loader = _job(cell, warmup + timing.steps)
-    peak = measured_peak_flops(cell.device, peak_key(job.precision.name))
+    key = peak_key(job.precision.name)
+    peak, datasheet = measured_peak_flops(cell.device, key), datasheet_peak_flops(cell.device, key)
     state = TrainState()
     warm = _timed_steps(job, cell, state, tick, warmup)
     waited = loader.wait_s if loader else 0.0
     times = _timed_steps(job, cell, state, tick, timing.steps, timing.max_seconds, timing.min_steps)
-    out = _figures(cell, times, warm, flops_per_sample, peak)
+    out = _figures(cell, times, warm, flops_per_sample, peak, datasheet)
     out["peak_mem_bytes"] = peak_memory_bytes(cell.device.torch_device)
     if loader is not None:
         out["data_wait_frac"] = min(1.0, (loader.wait_s - waited) / sum(times))

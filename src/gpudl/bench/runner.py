@@ -22,6 +22,7 @@ from .. import __version__, models
 from ..device import cpu_info
 from ..device.host import keep_freed_memory
 from ..device.peak import measured_peak_flops, peak_key, refresh_peaks
+from ..observe.sinks import mfu_text
 from . import dataload
 from .cells import Cell, run_cell
 from .roofline import bytes_per_step, measured_bandwidth
@@ -104,7 +105,8 @@ def cell_line(cell: Cell, rec: dict) -> str:
     """One line per finished cell, printed above the progress bars."""
     if rec["status"] != "ok":
         return f"✗ {cell.title}: failed ({rec['reason']})"
-    mfu = f" · MFU {100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else ""
+    known = rec["mfu"] is not None or rec["mfu_datasheet"] is not None
+    mfu = f" · MFU {mfu_text(rec['mfu'], rec['mfu_datasheet'])}" if known else ""
     comp = f" · compile {rec['compile_s']:.1f} s (not timed)" if rec["compile_s"] is not None else ""
     wait = f" · waits for data {100 * rec['data_wait_frac']:.1f}% of each step" if cell.real_data else ""
     return (f"✓ {cell.title}: {rec['samples_per_s']:,.1f} samples/s · step {1e3 * rec['step_s_p50']:.1f} ms"

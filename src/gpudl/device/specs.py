@@ -3,7 +3,7 @@ GPUs `gpudl plan --target` plans for (memory, links).
 
 Peaks are the vendors' dense (not 2:4 sparse) tensor-core figures in TFLOP/s for the
 SXM/OAM parts unless the name says otherwise. gpudl always prints them beside the peak it
-measures itself, and computes MFU against the measured one.
+measures itself, and quotes MFU against both: the datasheet's first, as the field does.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """What a run measures as it goes: throughput, MFU and memory.
 
-MFU is achieved model FLOP/s (the step's FLOPs, `flops.py`) over the peak measured on this
-device for the precision the run uses.
+MFU is achieved model FLOP/s (the step's FLOPs, `flops.py`) over a peak for the precision the run
+uses: `mfu` over the peak measured on this device (the key's meaning since the first run folders),
+`mfu_datasheet` over the vendor's datasheet figure, which the field quotes. Either is None where it
+is unknown (FLOPs that could not be counted; no datasheet figure, as on every CPU): never 0.
 """
 
 from __future__ import annotations
@@ -43,27 +45,34 @@ class Throughput:
 
     samples_per_step: int
     units_per_sample: int
-    flops_per_step: float
-    peak_flops: float
+    flops_per_step: float               # 0: not counted, so no MFU
+    peak_flops: float                   # one device's, measured (device/peak.py)
     world: int = 1                      # devices working on the job
+    datasheet_flops: float | None = None  # one device's datasheet peak; None where there is none
     _t0: float = field(default_factory=time.perf_counter)
     _steps: int = 0
 
     def tick(self) -> None:
         self._steps += 1
 
-    def window(self, exclude_s: float = 0.0) -> dict[str, float]:
+    def window(self, exclude_s: float = 0.0) -> dict[str, float | None]:
         """Rates since the last call, leaving out `exclude_s` seconds; then start a new window."""
         now = time.perf_counter()
         dt = max(now - self._t0 - exclude_s, 1e-9)
         steps, self._t0, self._steps = self._steps, now, 0
         samples = steps * self.samples_per_step / dt
+        per_device = steps * self.flops_per_step / dt / self.world
         return {
             "step_s": dt / max(steps, 1),
             "samples_per_s": samples,
             "units_per_s": samples * self.units_per_sample,
-            "mfu": steps * self.flops_per_step / dt / (self.peak_flops * self.world) if self.peak_flops else 0.0,
+            "mfu": self._share(per_device, self.peak_flops),
+            "mfu_datasheet": self._share(per_device, self.datasheet_flops),
         }
+
+    def _share(self, flops_per_s: float, peak: float | None) -> float | None:
+        # None, not 0.0, where either side is unknown: a 0% MFU would read as a measurement
+        return flops_per_s / peak if self.flops_per_step and peak else None
 
     def restart(self) -> None:
         self._t0, self._steps = time.perf_counter(), 0

@@ -154,11 +154,11 @@ def plot_loss(records: list[dict], out_base: Path, title: str) -> Path | None:
 
 def run_plots(records: list[dict], out_dir: Path, unit: str) -> list[Path]:
     """loss.png, throughput.png and memory.png from a training run's metric records."""
-    mfu = _series(records, "train", "mfu")
+    mfu = _series(records, "train", "mfu")  # windows without a FLOP count (mfu None) are left out
     return [
         _line(out_dir / "loss.png", _loss_series(records), "loss", "loss"),
         _line(out_dir / "throughput.png", [(*_series(records, "train", "units_per_s"), unit, "-")], f"{unit}/s",
-              "throughput (dotted: MFU)", twin=(mfu[0], [100 * v for v in mfu[1]], "MFU %")),
+              "throughput (dotted: MFU)", twin=(mfu[0], [100 * v for v in mfu[1]], "MFU % of measured peak")),
         _line(out_dir / "memory.png", [(*_series(records, "train", "peak_mem_gb"), "peak", "-")], "GiB",
               "peak memory"),
     ]

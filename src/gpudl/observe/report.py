@@ -17,13 +17,13 @@ def _unit(summary: dict) -> str:
 
 
 def _summary_rows(summary: dict) -> list[str]:
-    keys = ("model", "device", "precision", "steps", "final_loss", "val_loss", "samples_per_s", "mfu", "step_s",
-            "data_wait_frac", "peak_mem_gb", "wall_s")
+    keys = ("model", "device", "precision", "steps", "final_loss", "val_loss", "samples_per_s", "mfu_datasheet", "mfu",
+            "step_s", "data_wait_frac", "peak_mem_gb", "wall_s")
     rows = ["| figure | value |", "|---|---|"]
     for k in keys:
         if k in summary:
             v = summary[k]
-            rows.append(f"| {k} | {f'{v:.4g}' if isinstance(v, float) else v} |")
+            rows.append(f"| {k} | {'—' if v is None else f'{v:.4g}' if isinstance(v, float) else v} |")
     return rows
 
 

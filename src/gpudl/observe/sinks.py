@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 CSV_COLUMNS = ["step", "loss", "lr", "grad_norm", "step_s", "samples_per_s", "units_per_s", "mfu",
-               "peak_mem_gb", "data_wait_frac", "nonfinite_total"]
+               "mfu_datasheet", "peak_mem_gb", "data_wait_frac", "nonfinite_total"]
 
 
 def read_records(run_dir: Path) -> list[dict]:
@@ -115,8 +115,9 @@ class ConsoleProgress:
         self._progress.stop()
 
     def update(self, record: dict) -> None:
-        stats = (f"loss {record['loss']:.4f} · {si(record['units_per_s'])} {self.unit}/s · "
-                 f"MFU {100 * record['mfu']:.1f}%")
+        stats = f"loss {record['loss']:.4f} · {si(record['units_per_s'])} {self.unit}/s"
+        if record.get("mfu") is not None or record.get("mfu_datasheet") is not None:  # unknown: left out, not 0%
+            stats += f" · MFU {mfu_text(record.get('mfu'), record.get('mfu_datasheet'))}"
         self._progress.update(self._task, completed=record["step"], stats=stats)
         if not self.enabled and not self.quiet:  # no live bar (a log file, a CI job): one line per log record instead
             self.console.print(f"step {record['step']:>6} · {stats}", highlight=False)
@@ -138,17 +139,32 @@ def si(x: float | None, unit: str = "") -> str:
     return f"{x:.1f} {unit}" if unit else f"{x:.1f}"
 
 
+def mfu_text(mfu: float | None, datasheet: float | None) -> str:
+    """MFU as the field quotes it, against the datasheet peak, with the measured peak's beside it:
+    "41.7% (52.5% of measured peak)"; "34.0% of measured peak" with no datasheet figure (every CPU);
+    "—" when neither is known (FLOPs that could not be counted)."""
+    measured = None if mfu is None else f"{100 * mfu:.1f}% of measured peak"
+    if datasheet is None:
+        return measured or "—"
+    return f"{100 * datasheet:.1f}%" + (f" ({measured})" if measured else "")
+
+
 def summary_table(summary: dict) -> Table:
-    """The end-of-run table: one row per figure."""
+    """The end-of-run table: one row per figure; both MFUs in one row, the datasheet's first."""
     table = Table(title="Run summary", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
     for key, value in summary.items():
-        table.add_row(key, _fmt(value))
+        if key == "mfu":
+            table.add_row(key, mfu_text(value, summary.get("mfu_datasheet")))
+        elif key != "mfu_datasheet":
+            table.add_row(key, _fmt(value))
     return table
 
 
 def _fmt(value) -> str:
+    if value is None:
+        return "—"
     if isinstance(value, float):
         return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.4g}"
     return f"{value:,}" if isinstance(value, int) else str(value)

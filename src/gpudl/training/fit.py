@@ -55,9 +55,10 @@ class Metrics:
     final_loss: float
     samples_per_s: float
     step_s: float
-    mfu: float
+    mfu: float | None            # against the measured peak; None: the FLOPs could not be counted
     peak_mem_gb: float
-    mfu_note: str | None = None  # why MFU is 0: the FLOPs could not be counted
+    mfu_note: str | None = None  # why MFU is None: the FLOPs could not be counted
+    mfu_datasheet: float | None = None  # against the datasheet peak; None where unknown (every CPU)
 
 
 @dataclass
@@ -314,7 +315,7 @@ def _fit(user: _UserParts, cfg: Config, session: Session, prec, run: FitRun, con
     if "stopped_by" in s:
         say_stopped(console, state, cfg, s, run)
     metrics = Metrics(s["steps"], s["final_loss"], s["samples_per_s"], s["step_s"], s["mfu"], s["peak_mem_gb"],
-                      work.mfu_note)
+                      work.mfu_note, s.get("mfu_datasheet"))
     return FitResult(job.model, metrics, outcome.records, s)
 
 

@@ -18,7 +18,7 @@ from ..checkpoint.background import BackgroundWriter, choose, host_available_byt
 from ..config import Config
 from ..data import DeviceLoader
 from ..distributed.agree import any_rank
-from ..device.peak import measured_peak_flops, peak_key
+from ..device.peak import datasheet_peak_flops, measured_peak_flops, peak_key
 from ..distributed.watch import is_timeout
 from ..observe.metrics import Throughput, peak_memory_bytes, reset_peak_memory
 from ..observe.plots import plot_loss
@@ -77,10 +77,11 @@ def _sinks(ex: Execution, resume_step: int | None) -> list:
 
 def make_monitor(ex: Execution, console: Console, sinks: list) -> Monitor:
     train, session = ex.cfg.train, ex.session
-    peak = measured_peak_flops(session.device, peak_key(ex.job.precision.name))
+    key = peak_key(ex.job.precision.name)
     samples_per_step = train.batch_size * train.grad_accum * session.dp[1]  # the whole job's
     throughput = Throughput(samples_per_step, ex.work.units_per_sample, ex.work.flops_per_sample * samples_per_step,
-                            peak, world=session.world)
+                            measured_peak_flops(session.device, key), world=session.world,
+                            datasheet_flops=datasheet_peak_flops(session.device, key))
     progress = ConsoleProgress(console, train.max_steps, ex.state.step, ex.work.unit,
                                enabled=ex.cfg.log.progress and session.is_writer, quiet=not session.is_writer)
     saver = Saver(ex.checkpointer, ex.job, ex.cfg.checkpoint.every, ex.background) \
@@ -168,13 +169,18 @@ def summarize(ex: Execution, records: list[dict], wall_s: float) -> dict:
     def mean(key):
         return sum(r[key] for r in steady) / len(steady) if steady else 0.0
 
-    info = ex.session.device
+    def known_mean(key):  # MFU: None where the records do not know it (no FLOP count, no datasheet figure)
+        known = [r[key] for r in steady if r.get(key) is not None]
+        return sum(known) / len(known) if known else None
+
+    info, sheet = ex.session.device, known_mean("mfu_datasheet")
     return {
         "model": ex.work.name,
         "device": info.label, "precision": ex.job.precision.name, "steps": ex.state.step,
         "final_loss": train[-1]["loss"] if train else float("nan"),
         **({f"val_{k}": v for k, v in evals[-1].items() if k not in ("kind", "step")} if evals else {}),
-        "samples_per_s": mean("samples_per_s"), f"{ex.work.unit}_per_s": mean("units_per_s"), "mfu": mean("mfu"),
+        "samples_per_s": mean("samples_per_s"), f"{ex.work.unit}_per_s": mean("units_per_s"), "mfu": known_mean("mfu"),
+        **({"mfu_datasheet": sheet} if sheet is not None else {}),
         "processes": ex.session.world, f"{ex.work.unit}_per_s_per_device": mean("units_per_s") / ex.session.world,
         "step_s": mean("step_s"), "data_wait_frac": mean("data_wait_frac"),
         "peak_mem_gb": peak_memory_bytes(info.torch_device) / 2**30,
