@@ -122,8 +122,11 @@ def tests(out: Path, name: str) -> dict:
 
 # --- gpudl bench ---------------------------------------------------------------------------------------
 
+# MFU: "41.7% (52.5% of measured peak)" (datasheet, measured) or "34.0% of measured peak" (no datasheet
+# figure); "MFU 34.0%" alone is the measured one, as gpudl printed it before it knew the datasheet's.
 CELL = re.compile(r"^([✓✗]) (.+?): (?:failed \((.*)\)|([\d,.]+) samples/s · step ([\d.]+) ms"
-                  r"(?: · MFU ([\d.]+)%)?(?: · compile ([\d.]+) s \(not timed\))?"
+                  r"(?: · MFU (?:([\d.]+)% \(([\d.]+)% of measured peak\)|([\d.]+)%(?: of measured peak)?))?"
+                  r"(?: · compile ([\d.]+) s \(not timed\))?"
                   r"(?: · waits for data ([\d.]+)% of each step)?)\s*$")
 
 
@@ -151,7 +154,8 @@ def _cell(c: dict) -> dict:
     return {"model": c["model"], "device": c["device_kind"], "precision": c["precision"], "compile": c["compile"],
             "data": c["data"], "status": c["status"], "reason": c.get("reason"), "batch": c.get("batch_size"),
             "grad_accum": c.get("grad_accum"), "samples_per_s": c.get("samples_per_s"),
-            "units_per_s": c.get("units_per_s"), "unit": c.get("unit"), "mfu": c.get("mfu"),
+            "units_per_s": c.get("units_per_s"), "unit": c.get("unit"), "mfu_datasheet": c.get("mfu_datasheet"),
+            "mfu": c.get("mfu"),
             "step_ms": c.get("step_s_p50") and 1e3 * c["step_s_p50"], "steps": c.get("steps"), "cv": c.get("cv"),
             "peak_mem_gib": c.get("peak_mem_bytes") and c["peak_mem_bytes"] / GiB,
             "speedup_vs_cpu": c.get("speedup_vs_cpu"), "compile_s": c.get("compile_s"),
@@ -162,11 +166,12 @@ def _logged_cell(m: re.Match) -> dict:
     parts = m[2].split(" · ")
     model, device, precision, mode = (parts + [None] * 4)[:4]
     ok = m[1] == "✓"
-    mfu = _num(m[6])
+    sheet, mfu = _num(m[6]), _num(m[7] or m[8])
     return {"model": model, "device": device, "precision": precision, "compile": mode == "compiled",
             "data": "real" if "real data" in parts[4:] else "synthetic", "status": "ok" if ok else "failed",
-            "reason": m[3], "samples_per_s": _num(m[4]), "mfu": mfu and mfu / 100, "step_ms": _num(m[5]),
-            "compile_s": _num(m[7]), "data_wait": _num(m[8]) and _num(m[8]) / 100}
+            "reason": m[3], "samples_per_s": _num(m[4]), "mfu_datasheet": sheet and sheet / 100,
+            "mfu": mfu and mfu / 100, "step_ms": _num(m[5]), "compile_s": _num(m[9]),
+            "data_wait": _num(m[10]) and _num(m[10]) / 100}
 
 
 def _speedups(cells: list[dict]) -> dict:
@@ -238,7 +243,8 @@ def peers(out: Path, name: str) -> dict:
 # --- gpudl train ---------------------------------------------------------------------------------------
 
 RUN_FIGURES = ("model", "device", "precision", "steps", "final_loss", "val_loss", "tokens_per_s", "samples_per_s",
-               "mfu", "step_s", "peak_mem_gb", "data_wait_frac", "nonfinite_steps", "wall_s", "params_m", "torch")
+               "mfu_datasheet", "mfu", "step_s", "peak_mem_gb", "data_wait_frac", "nonfinite_steps", "wall_s",
+               "params_m", "torch")
 
 
 def train(out: Path, name: str) -> dict:
@@ -249,7 +255,9 @@ def train(out: Path, name: str) -> dict:
     run = runs[-1]
     summary = _json(run / "summary.json")
     if isinstance(summary, dict):
-        return {"source": f"runs/{run.name}/summary.json", **{k: summary.get(k) for k in RUN_FIGURES}}
+        # mfu_datasheet only where the run knew it (a CPU has no datasheet figure): not a "—" row on every CPU run
+        return {"source": f"runs/{run.name}/summary.json",
+                **{k: summary.get(k) for k in RUN_FIGURES if k in summary or k != "mfu_datasheet"}}
     records = [_json_line(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()] \
         if (run / "metrics.jsonl").exists() else []
     last = {r.get("kind"): r for r in records if isinstance(r, dict)}
@@ -258,7 +266,9 @@ def train(out: Path, name: str) -> dict:
     t = last["train"]
     return {"source": f"runs/{run.name}/metrics.jsonl (no summary.json: the run did not finish; its last records)",
             "steps": t.get("step"), "final_loss": t.get("loss"), "val_loss": last.get("eval", {}).get("loss"),
-            "tokens_per_s": t.get("units_per_s"), "samples_per_s": t.get("samples_per_s"), "mfu": t.get("mfu"),
+            "tokens_per_s": t.get("units_per_s"), "samples_per_s": t.get("samples_per_s"),
+            **({"mfu_datasheet": t["mfu_datasheet"]} if t.get("mfu_datasheet") is not None else {}),
+            "mfu": t.get("mfu"),
             "step_s": t.get("step_s"), "peak_mem_gb": t.get("peak_mem_gb"), "data_wait_frac": t.get("data_wait_frac")}
 
 
@@ -352,4 +362,13 @@ def input_pipeline(out: Path, name: str) -> dict:
     if isinstance(doc, dict):
         return {"source": f"{name}.json", "loader": doc.get("loader", []), "train": doc.get("train")}
     lines = [ln for ln in _log(out, name) if ln.startswith(("loader · ", "train · "))]
+    return {"source": f"{name}.log (no JSON: the phase did not finish; its lines)", "lines": lines} if lines else {}
+
+
+def fp8(out: Path, name: str) -> dict:
+    """benchmarks/fp8_training.py's JSON (runs and comparisons); cut short, the comparison lines its log has."""
+    doc = _json(out / f"{name}.json")
+    if isinstance(doc, dict) and doc.get("runs"):
+        return {"source": f"{name}.json", "runs": doc["runs"], "comparisons": doc.get("comparisons", [])}
+    lines = [ln for ln in _log(out, name) if " vs " in ln and "tokens/s" in ln]
     return {"source": f"{name}.log (no JSON: the phase did not finish; its lines)", "lines": lines} if lines else {}

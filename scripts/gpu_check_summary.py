@@ -47,6 +47,8 @@ PHASES = [
      read.checkpoint_stall),
     ("serve-load", "serving with batching against batch-1 and plain (benchmarks/serve_load.py; on the GPU in a real run)",
      read.serve_load),
+    ("fp8", "fp8 against bf16-mixed on gpt-1b: tokens/s and the loss after 300 steps (benchmarks/fp8_training.py)",
+     read.fp8),
 ]
 
 
@@ -144,12 +146,16 @@ def render_tests(f: dict) -> list[str]:
 
 
 def render_bench(f: dict) -> list[str]:
+    # MFU against the datasheet peak first, as the field quotes it, where any cell has one (no CPU does)
+    sheet = any(c.get("mfu_datasheet") is not None for c in f["cells"])
     rows = [[c["model"], c["device"], c["precision"], "on" if c["compile"] else "off", c["data"],
-             fmt(c["samples_per_s"], ",.1f"), fmt(c.get("units_per_s"), ",.0f"), pct(c["mfu"]),
+             fmt(c["samples_per_s"], ",.1f"), fmt(c.get("units_per_s"), ",.0f"),
+             *([pct(c.get("mfu_datasheet"))] if sheet else []), pct(c["mfu"]),
              fmt(c["step_ms"], ".1f"), fmt(c.get("peak_mem_gib"), ".2f"), fmt(c.get("speedup_vs_cpu"), ".2f", "×"),
              fmt(c["compile_s"], ".1f"), c["status"] if c["status"] == "ok" else f"**failed**: {c['reason']}"]
             for c in f["cells"]]
-    lines = table(["model", "device", "precision", "compile", "data", "samples/s", "tokens or images/s", "MFU",
+    lines = table(["model", "device", "precision", "compile", "data", "samples/s", "tokens or images/s",
+                   *(["MFU (datasheet)"] if sheet else []), "MFU (measured)",
                    "step ms", "peak GiB", "× CPU", "compile s", "status"], rows)
     for model, s in f.get("speedups", {}).items():
         lines.append(f"- {model}: {s['accelerator']} {s['accelerator_samples_per_s']:,.1f} samples/s over "
@@ -182,7 +188,7 @@ def render_peers(f: dict) -> list[str]:
 
 
 def render_train(f: dict) -> list[str]:
-    shown = {"mfu": pct, "data_wait_frac": pct, "tokens_per_s": lambda v: fmt(v, ",.0f"),
+    shown = {"mfu_datasheet": pct, "mfu": pct, "data_wait_frac": pct, "tokens_per_s": lambda v: fmt(v, ",.0f"),
              "samples_per_s": lambda v: fmt(v, ",.1f"), "step_s": lambda v: fmt(v and 1e3 * v, ".1f", " ms")}
     return table(["figure", "value"], [[k, shown.get(k, lambda v: fmt(v, ".4g"))(v)]
                                        for k, v in f.items() if k != "source"])
@@ -230,6 +236,18 @@ def render_pipeline(f: dict) -> list[str]:
     return lines
 
 
+def render_fp8(f: dict) -> list[str]:
+    if "lines" in f:
+        return [f"    {ln}" for ln in f["lines"]]
+    rows = [[r["run"], fmt(r.get("tokens_per_s"), ",.0f"), fmt(r.get("final_loss"), ".4f"), fmt(r.get("val_loss"), ".4f")]
+            for r in f["runs"]]
+    signed = lambda x: "—" if x is None else f"{100 * x:+.2f}%"  # noqa: E731
+    vs = [[f"{c['run']} / {c['vs']}", fmt(c["speedup"], ".2f", "×"), signed(c["final_loss_diff"]),
+           signed(c["val_loss_diff"])] for c in f["comparisons"]]
+    return table(["run", "tokens/s", "final loss", "val loss"], rows) + [""] + \
+        table(["", "tokens/s", "final loss", "val loss"], vs)
+
+
 def render_nothing(f: dict) -> list[str]:
     return []
 
@@ -238,7 +256,7 @@ READER = {name: reader for name, _, reader in PHASES}
 RENDER = {read.info_tree: render_info_tree, read.info_json: render_info_json, read.tests: render_tests,
           read.bench: render_bench, read.overhead: render_overhead, read.peers: render_peers, read.train: render_train,
           read.memory_accuracy: render_memory, read.serve_load: render_serve, read.checkpoint_stall: render_stall,
-          read.input_pipeline: render_pipeline}
+          read.input_pipeline: render_pipeline, read.fp8: render_fp8}
 
 
 def check(out: Path) -> list[str]:

@@ -26,7 +26,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a .toml recipe or the name of a shipped one (see gpudl info --recipes)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one setting; repeat as needed")
-    p.add_argument("--precision", help="auto | fp32 | bf16-mixed | fp16-mixed | bf16-true")
+    p.add_argument("--precision", help="auto | fp32 | bf16-mixed | fp16-mixed | bf16-true | fp8")
 
 
 def _launch_args(p: argparse.ArgumentParser) -> None:

@@ -406,3 +406,31 @@ def join_late(sets: list[str], late_rank: int, seconds: float, device: str = "cp
     if int(os.environ["RANK"]) == late_rank:
         time.sleep(seconds)
     return train_tiny(sets, device=device)
+
+
+
+def train_fp8_emulated(sets: list[str], resume: str | None = None, device: str = "cpu") -> dict:
+    """train_tiny at precision fp8 without fp8 tensor cores (torchao's emulated float8 matmuls), every
+    linear but the head made float8 (the tiny model's are below torchao's size thresholds); and what
+    FSDP2's float8 all-gather left: which weights are float8-cast ones, which have a precomputed scale."""
+    import functools
+
+    import gpudl.distributed.float8 as float8
+    import gpudl.training.recipe as recipe
+    from gpudl.checkpoint.store import local_data
+    from gpudl.config import load_config
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    recipe.make_precision = functools.partial(recipe.make_precision, emulate_fp8=True)
+    float8.worth_float8 = lambda out_features, in_features, name: True
+    result = recipe.train(load_config(None, on(device, sets)), resume=resume, console=Console(quiet=True))
+    weights = {n: m.weight for n, m in result.model.named_modules() if isinstance(m, Float8Linear)}
+    local = {n: w._local_tensor if isinstance(w, DTensor) else w for n, w in weights.items()}  # to_local() is a view
+    return {"losses": {r["step"]: r["loss"] for r in result.records if r["kind"] == "train"},
+            "params": {k: local_data(v).detach().clone() for k, v in full_params(result.model).items()},
+            "rank": _rank_or_0(), "float8": sorted(weights),
+            "sharded": sorted(n for n, w in weights.items() if isinstance(w, DTensor)),
+            "cast_in_fp8": sorted(n for n, w in local.items() if isinstance(w, WeightWithDynamicFloat8CastTensor)),
+            "precomputed": sorted(n for n, w in local.items() if getattr(w, "_precomputed_scale", None) is not None)}

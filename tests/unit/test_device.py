@@ -334,7 +334,7 @@ def test_peak_key(policy, key):
 def _h200_info() -> DeviceInfo:
     return DeviceInfo(kind="cuda", type="cuda", index=0, name="NVIDIA H200", count=8, memory_bytes=141 * GiB,
                       compute_units=132, unit_name="SM", lanes_per_unit=128, threads_per_unit=2048, warp_size=32,
-                      capability="9.0", bf16=True, fp16=True, tf32=True,
+                      capability="9.0", bf16=True, fp16=True, tf32=True, fp8=True,
                       datasheet_tflops=device_specs.datasheet_tflops("NVIDIA H200"),
                       versions={"torch": "2.10.0", "cuda": "12.8"})
 
@@ -346,7 +346,7 @@ def test_info_tree_for_h200():
     assert "128 FP32 cores" in text
     assert "up to 2,048 resident threads (64 warps of 32)" in text
     assert "16,896 FP32 cores" in text and "270,336 threads in flight" in text
-    assert "precision: fp32 ✓ tf32 ✓ bf16 ✓ fp16 ✓" in text
+    assert "precision: fp32 ✓ tf32 ✓ bf16 ✓ fp16 ✓ fp8 ✓" in text
     assert "bf16: not measured / 989.4" in text and "fp32: not measured / 67.0" in text
     assert "versions: torch 2.10.0, cuda 12.8" in text
 
@@ -379,7 +379,7 @@ def test_as_json_is_serialisable():
     decoded = json.loads(json.dumps(out))
     h200, host = decoded["devices"]
     assert {"kind", "type", "index", "name", "count", "memory_bytes", "compute_units", "unit_name",
-            "lanes_per_unit", "threads_per_unit", "warp_size", "capability", "bf16", "fp16", "tf32",
+            "lanes_per_unit", "threads_per_unit", "warp_size", "capability", "bf16", "fp16", "tf32", "fp8",
             "datasheet_tflops", "versions", "peak_tflops"} == set(h200)
     assert h200["compute_units"] == 132 and h200["lanes_per_unit"] == 128
     assert h200["peak_tflops"]["bf16"] == {"measured": None, "datasheet": 989.4}

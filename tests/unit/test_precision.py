@@ -66,8 +66,8 @@ def test_a_precision_the_device_lacks_is_refused_with_the_choices():
         prec.make_precision("bf16-mixed", cpu(bf16=False))
     with pytest.raises(UserError, match=r"precision 'fp16-mixed' needs fp16"):
         prec.make_precision("fp16-mixed", cpu(fp16=False))
-    with pytest.raises(UserError, match="unknown precision 'fp8'"):
-        prec.make_precision("fp8", cpu())
+    with pytest.raises(UserError, match="unknown precision 'fp4'"):
+        prec.make_precision("fp4", cpu())
 
 
 @pytest.mark.parametrize("ratio, expected", [(2.4, "bf16-mixed"), (1.1, "fp32")])

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from ..errors import UserError
-from .store import SINGLE_PROCESS, Checkpointer, all_finite
+from .store import SINGLE_PROCESS, Checkpointer, all_finite, local_data
 
 # "auto" stages only when this rank's buffers, times the ranks of its node, take at most this share of
 # the host's available memory: the rest is the data loader's, the page cache's (the write goes through
@@ -51,7 +51,7 @@ HOST_SHARE = 0.5
 
 
 def _tensors(tree, prefix: str = ""):
-    """(place, tensor) for every tensor in a state dict, DTensors as their local shards."""
+    """(place, tensor) for every tensor in a state dict, DTensors as their local shards (`local_data`)."""
     if isinstance(tree, dict):
         for k, v in tree.items():
             yield from _tensors(v, f"{prefix}.{k}")
@@ -59,7 +59,7 @@ def _tensors(tree, prefix: str = ""):
         for i, v in enumerate(tree):
             yield from _tensors(v, f"{prefix}.{i}")
     elif isinstance(tree, torch.Tensor):
-        yield prefix, tree.to_local() if isinstance(tree, DTensor) else tree
+        yield prefix, local_data(tree)
 
 
 def _layout(state: dict) -> list:

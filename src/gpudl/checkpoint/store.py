@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..device.accel import rng_state, set_rng_state
 from ..distributed.agree import broadcast_json
@@ -136,9 +137,24 @@ def vet(ckpt: Path) -> dict:
     return {**state, "world_size": saved_world(ckpt, state, metadata)}
 
 
+def local_data(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose values a checkpoint holds for `t`: a DTensor's local shard, and in a wrapper subclass
+    the tensor it wraps (torchao's float8 weights under FSDP2, `WeightWithDynamicFloat8CastTensor`, keep the
+    fp32 weight as their first inner tensor; the wrapper has no storage of its own)."""
+    t = t.to_local() if isinstance(t, DTensor) else t
+    if is_traceable_wrapper_subclass(t):
+        inner, _ = t.__tensor_flatten__()
+        t = getattr(t, inner[0])
+    return t
+
+
 def _all_finite(model: nn.Module, collective: bool = True) -> bool:
-    """Every rank's weights are finite (one collective: each rank checks the parameters it holds)."""
-    return all_finite([p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()], collective)
+    """Every rank's weights are finite (one collective: each rank checks the parameters it holds).
+
+    The state dict's, which FSDP2 gives as the shards even where an evaluation left a block gathered
+    (its gathered weights may be float8 tensors, on which `isfinite` does not run)."""
+    return all_finite([local_data(t) for t in model.state_dict().values() if isinstance(t, torch.Tensor)],
+                      collective)
 
 
 def all_finite(tensors: list[torch.Tensor], collective: bool = True, group: dist.ProcessGroup | None = None) -> bool:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from .settings import dump_toml, option, to_dict
 
-PrecisionName = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-true"]
+PrecisionName = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp8"]
 
 
 @dataclass(kw_only=True)
@@ -70,7 +70,15 @@ class TrainConfig:
                                        "timed, then max_steps is lowered to what fits and the schedule follows", ge=0.0)
     batch_size: int = option(32, "samples per micro-batch on each device", ge=1)
     grad_accum: int = option(1, "micro-batches per optimizer step", ge=1)
-    precision: PrecisionName = option("auto", "numeric precision; auto picks the fastest safe one")
+    precision: PrecisionName = option(
+        "auto", "numeric precision: fp32; bf16-mixed (fp32 weights, bf16 autocast); fp16-mixed (the same in fp16, "
+                "with loss scaling); bf16-true (bf16 weights); fp8 (bf16-mixed with the large linears in float8 "
+                "through torchao, on NVIDIA GPUs of compute capability 8.9 or newer; pip install 'gpudl[fp8]'); "
+                "auto picks the fastest safe one, never fp8")
+    fp8_recipe: Literal["rowwise", "tensorwise"] = option(
+        "tensorwise", "precision=fp8's scaling: tensorwise, one scale per tensor (the fastest kernels; under FSDP2 "
+                      "the weights are all-gathered in fp8, half the bytes of bf16); rowwise, a scale per row of each "
+                      "operand (finer, so closer to bf16; it pays only on larger linears, so fewer are converted)")
     compile: bool | Literal["auto"] = option("auto", "torch.compile the model; auto: on for GPUs")
     activation_checkpointing: bool | Literal["full", "selective"] = option(
         False, "recompute block activations in backward: true or full, all of them; selective, all but the "

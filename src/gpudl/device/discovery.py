@@ -41,6 +41,7 @@ class DeviceInfo:
     bf16: bool = False
     fp16: bool = False
     tf32: bool = False
+    fp8: bool = False              # fp8 tensor cores that gpudl trains with (torchao): NVIDIA compute capability 8.9+
     datasheet_tflops: dict[str, float] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
 
@@ -175,7 +176,14 @@ def _cuda_info(index: int, count: int) -> DeviceInfo:
         warp_size=getattr(props, "warp_size", None), capability=arch or f"{major}.{minor}",
         bf16=bool(_safe(lambda: torch.cuda.is_bf16_supported(including_emulation=False), default=major >= 8)),
         fp16=True, tf32=(not hip and major >= 8) or (hip and "gfx94" in str(arch)),
+        fp8=_fp8_tensor_cores(hip, major, minor),
         datasheet_tflops=device_specs.datasheet_tflops(props.name), versions=_versions("cuda"))
+
+
+def _fp8_tensor_cores(hip: bool, major: int, minor: int) -> bool:
+    """Whether torchao's float8 training kernels run here: NVIDIA Ada (8.9), Hopper (9.0), Blackwell (10.x, 12.x).
+    AMD's MI300 has fp8 too (its own fnuz formats), but gpudl has not trained on it: False until verified."""
+    return not hip and (major, minor) >= (8, 9)
 
 
 def _mps_info(count: int) -> DeviceInfo:

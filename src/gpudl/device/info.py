@@ -51,6 +51,7 @@ def device_tree(info: DeviceInfo, peak: dict) -> Tree:
         leaf.add(f"in all: {total:,} FP32 {'lanes' if info.type == 'cpu' else 'cores'} · {threads:,} "
                  f"{'hardware threads' if info.type == 'cpu' else 'threads in flight'}")
     support = " ".join(f"{p} {'✓' if p in peak else '✗'}" for p in ("fp32", "tf32", "bf16", "fp16"))
+    support += f" fp8 {'✓' if info.fp8 else '✗'}"  # training only (precision=fp8); no peak is probed for it
     root.add(f"precision: {support}")
     table = root.add("peak TFLOP/s (measured / datasheet)")
     for p, v in peak.items():

@@ -1,7 +1,8 @@
 """Peak FLOP/s measured by a short probe of dense kernels, cached per device, torch and precision.
 
-MFU in gpudl is always model FLOP/s divided by the peak measured here for the precision the
-run uses: a figure the reader's own machine produced, not a datasheet promise.
+MFU in gpudl is model FLOP/s over the vendor's datasheet peak (`datasheet_peak_flops`), as the
+field quotes it, and beside it over the peak measured here for the precision the run uses: a
+figure the reader's own machine produced, not a datasheet promise (and the only one a CPU has).
 
 >>> from gpudl.device import cpu_info
 >>> measured_peak_flops(cpu_info(), "fp32") > 1e9
@@ -154,9 +155,19 @@ def refresh_peaks(info: DeviceInfo) -> None:
     measured_peak_flops(info, info.precisions()[0], refresh=True)
 
 
+def datasheet_peak_flops(info: DeviceInfo, precision: str) -> float | None:
+    """The vendor's dense peak FLOP/s of `info`'s device at `precision` (a `peak_key`), or None where
+    specs.py has no figure for it (every CPU, parts not in the table): MFU against it is then unknown,
+    never guessed from another precision's figure."""
+    tflops = info.datasheet_tflops.get(precision)
+    return tflops * 1e12 if tflops else None
+
+
 def peak_key(precision_policy: str) -> str:
-    """Which measured peak a precision policy is held against for MFU."""
-    if precision_policy.startswith("bf16"):
+    """Which peak (measured and datasheet) a precision policy is held against for MFU."""
+    # fp8 against bf16's, as torchtitan quotes it: attention, the head and the small linears stay bf16,
+    # and one figure across bf16-mixed and fp8 runs shows what fp8 bought.
+    if precision_policy.startswith("bf16") or precision_policy == "fp8":
         return "bf16"
     if precision_policy.startswith("fp16"):
         return "fp16"

@@ -11,8 +11,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 
 def mixed_precision_policy(precision_name: str) -> MixedPrecisionPolicy:
-    """Gather parameters in the compute dtype; reduce gradients in fp32 (bf16 sums lose bits)."""
-    param = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision_name)
+    """Gather parameters in the compute dtype; reduce gradients in fp32 (bf16 sums lose bits). fp8 is
+    bf16-mixed here: its float8 linears cast their (gathered bf16) weights themselves, or, with the
+    tensorwise recipe, have FSDP gather them in fp8 (`distributed/float8.py`)."""
+    param = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp8": torch.bfloat16}.get(precision_name)
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=torch.float32 if param is not None else None)
 
 

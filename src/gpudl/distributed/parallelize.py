@@ -1,9 +1,9 @@
 """The one function that prepares a model for training, in one fixed order.
 
-Order (torchtitan's): pipeline split -> tensor parallelism -> activation checkpointing ->
-compile -> FSDP or DDP. Each step is a plain function in its own module; `parallelize` is the
-only place that knows the order. After a pipeline split the other steps apply to each stage
-as if it were the model (torchtitan's "model parts").
+Order (torchtitan's): pipeline split -> float8 linears (precision fp8) -> tensor parallelism ->
+activation checkpointing -> compile -> FSDP or DDP. Each step is a plain function in its own
+module; `parallelize` is the only place that knows the order. After a pipeline split the other
+steps apply to each stage as if it were the model (torchtitan's "model parts").
 """
 
 from __future__ import annotations
@@ -117,10 +117,24 @@ class _Layout:
     precision_name: str
     activation_checkpointing: bool | str   # train.activation_checkpointing: false, true, "full" or "selective"
     compile: bool
+    fp8_recipe: str | None = None          # train.fp8_recipe where the precision is fp8, else None
+    fp8_emulate: bool = False              # the precision's fp8_emulate (tests on the CPU)
 
     @property
     def data_parallel(self) -> bool:
         return self.dims is not None and self.mesh is not None and (self.dims.dp > 1 or self.parallel.fsdp_cpu_offload)
+
+    @property
+    def sharded(self) -> bool:
+        """Data parallelism through FSDP2 (not DDP): see `_data_parallel`."""
+        dims, offload = self.dims, self.parallel.fsdp_cpu_offload
+        return self.data_parallel and (dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1 or offload)
+
+    @property
+    def fp8_all_gather(self) -> bool:
+        """FSDP2 all-gathers float8 weights: tensorwise scaling only (torchao's). Not with CPU offload: untried
+        there (the float8 casts of the shards would run on the host)."""
+        return self.fp8_recipe == "tensorwise" and self.sharded and not self.parallel.fsdp_cpu_offload
 
 
 def _data_parallel(model: nn.Module, layout: _Layout) -> Parallelized:
@@ -128,7 +142,7 @@ def _data_parallel(model: nn.Module, layout: _Layout) -> Parallelized:
     # asserts): with tensor or pipeline parallelism, replication too goes through FSDP2, on a
     # (dp_replicate, dp_shard=1) mesh: shards of one rank, gradients all-reduced.
     dims, mesh, cfg = layout.dims, layout.mesh, layout.parallel
-    if dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1 or cfg.fsdp_cpu_offload:
+    if layout.sharded:
         from .fsdp import apply_fsdp, fsdp_grad_sync
 
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
@@ -142,26 +156,49 @@ def _data_parallel(model: nn.Module, layout: _Layout) -> Parallelized:
 
 
 def parallelize(model: nn.Module, session: Session, parallel: ParallelConfig, precision_name: str,
-                train: TrainConfig, materialize: Callable | None = None) -> Parallelized:
-    """Apply, in order: pipeline split, tensor parallelism, activation checkpointing, compile, FSDP or DDP.
+                train: TrainConfig, materialize: Callable | None = None, fp8_emulate: bool = False) -> Parallelized:
+    """Apply, in order: pipeline split, float8 linears (fp8), tensor parallelism, activation checkpointing,
+    compile, FSDP or DDP.
 
     The layout comes from `session` (its degrees, mesh and device; one process has none), the
-    options from `train` (activation checkpointing, compile, the batch size a pipeline splits).
-    `model` may come on the meta device with `materialize(model, only=names)`, which allocates and
-    initialises it: a pipeline rank allocates only the parts it holds (`only=None`: everything).
+    options from `train` (activation checkpointing, compile, the batch size a pipeline splits, the
+    fp8 recipe). `model` may come on the meta device with `materialize(model, only=names)`, which
+    allocates and initialises it: a pipeline rank allocates only the parts it holds (`only=None`:
+    everything). `fp8_emulate`: the precision's (`Precision.fp8_emulate`).
     """
     device = session.device.torch_device
     layout = _Layout(session.dims, session.mesh, device, parallel, precision_name, train.activation_checkpointing,
-                     compile_wanted(train.compile, device.type))
+                     compile_wanted(train.compile, device.type),
+                     fp8_recipe=train.fp8_recipe if precision_name == "fp8" else None, fp8_emulate=fp8_emulate)
     if layout.dims is not None and layout.dims.pp > 1:
-        return _pipeline(model, layout, materialize, train.batch_size)
-    if materialize is not None:
-        materialize(model, only=None)
-    return _after_split(model, layout)
+        placed = _pipeline(model, layout, materialize, train.batch_size)
+    else:
+        if materialize is not None:
+            materialize(model, only=None)
+        placed = _after_split(model, layout)
+    return _with_float8_parts(placed, layout)
+
+
+def _with_float8_parts(placed: Parallelized, layout: _Layout) -> Parallelized:
+    """fp8: the start block's note, and the scales FSDP's fp8 all-gather wants after each optimizer step."""
+    if layout.fp8_recipe is None:
+        return placed
+    from .float8 import float8_note, scale_precompute
+
+    placed.float8_note = float8_note(placed.model, layout.fp8_recipe)
+    if layout.fp8_all_gather:
+        placed.after_optimizer_step = scale_precompute(placed.model)
+    return placed
 
 
 def _after_split(model: nn.Module, layout: _Layout) -> Parallelized:
-    """Tensor parallelism, activation checkpointing, compile, FSDP or DDP: of the model or of one stage."""
+    """Float8 linears, tensor parallelism, activation checkpointing, compile, FSDP or DDP: of the model or of
+    one stage."""
+    if layout.fp8_recipe is not None:
+        from .float8 import apply_float8, check_float8_layout
+
+        check_float8_layout(layout.dims.tp if layout.dims is not None else 1)  # gpudl.fit has no preflight
+        apply_float8(model, layout.fp8_recipe, emulate=layout.fp8_emulate, fsdp=layout.fp8_all_gather)
     if layout.dims is not None and layout.dims.tp > 1:
         from .tensor import apply_tp
 

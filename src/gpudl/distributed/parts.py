@@ -1,5 +1,6 @@
 """What a parallel strategy hands the training loop: the placed model and the few pieces that
-differ by strategy (gradient sync context, global gradient norm, a pipeline's own micro step)."""
+differ by strategy (gradient sync context, global gradient norm, a pipeline's own micro step,
+work after the optimizer step)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,7 @@ class Parallelized:
     micro_step: Callable | None = None
     # A pipeline evaluates through its schedule: (model, batch) -> {"loss": ...}.
     eval_fn: Callable | None = None
+    # Run after every optimizer step (fp8 with FSDP2: the float8 weights' scales for the next all-gather).
+    after_optimizer_step: Callable[[], None] | None = None
+    # precision fp8: which linears are float8 and why the others are not, for the start block.
+    float8_note: str = ""

@@ -14,6 +14,7 @@ from .. import models
 from ..config import Config
 from ..config.sizes import parse_size
 from ..errors import UserError
+from .float8 import check_float8_layout
 from .mesh import ParallelDims
 
 
@@ -21,6 +22,8 @@ def check_job(cfg: Config, world: int, precision_name: str) -> None:
     """Refuse, in one line, a job whose model, degrees or data cannot run on `world` processes."""
     spec = models.from_config(cfg)
     p = cfg.parallel
+    if precision_name == "fp8":
+        check_float8_layout(p.tp)
     if p.tp > 1 or p.pp > 1:
         meta = models.build_meta(spec)
         if p.tp > 1:

@@ -80,8 +80,10 @@ def trace_module(module: torch.nn.Module, loss_fn, cfg: Config, session: Session
 
 def trace_model(meta: torch.nn.Module, loss_fn, cfg: Config, session: Session, example, ddp: bool) -> Phases:
     """The trace itself, of `meta` (a model on the meta device, made fake here in place)."""
-    # Nothing runs, so the traced device may take any precision the job asks for (bf16 on a CPU without it).
-    precision = make_precision(cfg.train.precision, dataclasses.replace(session.device, bf16=True, fp16=True))
+    # Nothing runs, so the traced device may take any precision the job asks for (bf16 on a CPU without it;
+    # fp8's float8 linears as on the GPU: fake tensors run their casts and matmuls' shapes, not their kernels).
+    precision = make_precision(cfg.train.precision, dataclasses.replace(session.device, bf16=True, fp16=True,
+                                                                        fp8=True))
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
     # The loader draws a step's rows at once and the loop cuts them into micro-batches (views).
     real = map_tensors(lambda t: _resized(t, cfg.train.batch_size * cfg.train.grad_accum), example)

@@ -91,8 +91,13 @@ def build_job(model: nn.Module, cfg: Config, session: Session, precision: Precis
     which `parallelize` calls for the parts this rank holds.
     """
     use_attention(model, attention_kernel(session.device, cfg.train.attention))
-    placed = parallelize(model, session, cfg.parallel, precision.name, cfg.train, materialize)
+    placed = parallelize(model, session, cfg.parallel, precision.name, cfg.train, materialize,
+                         fp8_emulate=precision.fp8_emulate)
     optimizer = make_optimizer(placed.model, cfg.optim, session.device.type)
+    if placed.after_optimizer_step is not None:  # a hook, so that the loop stays free of strategy branches
+        after = placed.after_optimizer_step
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: after())
+    precision.linears = placed.float8_note  # the start block says it with the precision
     return Job(model=placed.model, loss_fn=task.loss_fn, optimizer=optimizer,
                scheduler=make_scheduler(optimizer, cfg.optim, cfg.train.max_steps), precision=precision,
                batches=task.batches, eval_fn=placed.eval_fn or task.eval_fn, eval_batches=task.eval_batches,

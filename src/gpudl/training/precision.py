@@ -1,7 +1,8 @@
-"""Numeric precision policies: fp32 | bf16-mixed | fp16-mixed | bf16-true, and `auto`.
+"""Numeric precision policies: fp32 | bf16-mixed | fp16-mixed | bf16-true | fp8, and `auto`.
 
 A policy is the one object the training loop asks for autocast, backward, and the optimizer
-step, so the loop has no precision branches of its own.
+step, so the loop has no precision branches of its own. fp8 is bf16-mixed whose large linears
+`parallelize` turns into torchao's float8 ones (`distributed/float8.py`); the loop sees bf16-mixed.
 
 >>> from gpudl.device import cpu_info
 >>> p = make_precision("fp32", cpu_info())
@@ -20,7 +21,7 @@ from ..device import DeviceInfo
 from ..errors import UserError
 from ..device.peak import measured_peak_flops
 
-POLICIES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+POLICIES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp8")
 
 # On the CPU, bf16 autocast pays only where bf16 matmuls are clearly faster than fp32 ones
 # (native AVX512-BF16/AMX): measured, not guessed. Below this ratio fp32 is the faster choice.
@@ -37,6 +38,19 @@ class Precision:
     param_dtype: torch.dtype
     scaler: torch.amp.GradScaler | None = None
     reason: str = ""
+    # fp8 only: torchao's emulated float8 matmuls instead of the fp8 tensor cores' (tests, on the CPU)
+    fp8_emulate: bool = False
+    # fp8 only: which linears `build_job` made float8 and which stayed bf16, for the start block
+    linears: str = ""
+
+    @property
+    def float8_linears(self) -> bool:
+        """Whether `parallelize` turns this policy's linears into float8 ones."""
+        return self.name == "fp8"
+
+    def describe(self) -> str:
+        """The start block's line: `fp8 (asked for; rowwise: 48 of 49 linears in float8, ...)`."""
+        return f"{self.name} ({'; '.join(x for x in (self.reason, self.linears) if x)})"
 
     def autocast(self):
         if self.autocast_dtype is None:
@@ -104,11 +118,30 @@ def auto_policy(info: DeviceInfo) -> tuple[str, str]:
 
 
 def _check_supported(name: str, info: DeviceInfo) -> None:
+    if name == "fp8":
+        _check_fp8(info)
+        return
     needs = "bf16" if name.startswith("bf16") else "fp16" if name.startswith("fp16") else None
     if needs and not getattr(info, needs):
         others = [p for p in POLICIES if p == "fp32" or getattr(info, p[:4])]
         raise UserError(f"precision {name!r} needs {needs} support, which {info.label} lacks: "
                         f"use one of {', '.join(others)}")
+
+
+def _check_fp8(info: DeviceInfo) -> None:
+    if not info.fp8:
+        fix = "bf16-mixed" if info.bf16 else "fp16-mixed" if info.fp16 else "fp32"
+        raise UserError(f"precision 'fp8' needs fp8 tensor cores (NVIDIA compute capability 8.9 or newer: Ada, "
+                        f"Hopper, Blackwell), which {info.label} lacks: use {fix}")
+    require_torchao()
+
+
+def require_torchao() -> None:
+    """torchao, which fp8 training runs on, is an extra: refused in one line where it is missing."""
+    from importlib.util import find_spec
+
+    if find_spec("torchao") is None:
+        raise UserError("precision 'fp8' needs torchao: pip install 'gpudl[fp8]'")
 
 
 def _cudnn_tf32(info: DeviceInfo, allow: bool) -> None:
@@ -126,19 +159,29 @@ def _cudnn_tf32(info: DeviceInfo, allow: bool) -> None:
 
 
 def param_dtype_of(name: str) -> torch.dtype:
-    """The dtype a policy keeps the weights (and so their gradients) in: bf16 for bf16-true, else fp32."""
+    """The dtype a policy keeps the weights (and so their gradients) in: bf16 for bf16-true, else fp32
+    (fp8 too: its weights stay fp32, cast to fp8 for each matmul)."""
     return torch.bfloat16 if name == "bf16-true" else torch.float32
 
 
-def make_precision(name: str, info: DeviceInfo) -> Precision:
-    """The policy named `name` (or the best one for "auto") on device `info`."""
+def make_precision(name: str, info: DeviceInfo, emulate_fp8: bool = False) -> Precision:
+    """The policy named `name` (or the best one for "auto") on device `info`.
+
+    `emulate_fp8` (internal, for tests: no config key reaches it): fp8 on a device without fp8 tensor
+    cores, through torchao's emulated float8 matmuls; slow, for checking numerics and plumbing only.
+    """
     reason = "asked for"
     if name == "auto":
-        name, reason = auto_policy(info)
+        name, reason = auto_policy(info)  # never fp8: opt-in until measurements say where it pays
     if name not in POLICIES:
         raise UserError(f"unknown precision {name!r}; choose one of: auto, {', '.join(POLICIES)}")
-    _check_supported(name, info)
+    if name == "fp8" and emulate_fp8:
+        require_torchao()
+    else:
+        _check_supported(name, info)
     _cudnn_tf32(info, allow=name != "fp32")
-    dtype = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "bf16-true": None}[name]
+    dtype = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "bf16-true": None,
+             "fp8": torch.bfloat16}[name]
     scaler = torch.amp.GradScaler(info.type) if name == "fp16-mixed" else None
-    return Precision(name, info.type, dtype, param_dtype_of(name), scaler, reason)
+    return Precision(name, info.type, dtype, param_dtype_of(name), scaler, reason,
+                     fp8_emulate=name == "fp8" and emulate_fp8)

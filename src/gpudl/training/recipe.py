@@ -168,7 +168,7 @@ def resume_command(session: Session, run_dir: Path) -> str:
 
 def _announce(console, session: Session, precision: Precision, spec, work: Workload, data: Data, state,
               offload: bool) -> None:
-    console.print(f"Precision: {precision.name} ({precision.reason})")
+    console.print(f"Precision: {precision.describe()}")
     console.print(f"Model: {spec.name}: {models.describe(spec)}; {work.n_params / 1e6:.2f}M parameters")
     if session.world > 1:
         console.print(f"Parallel: {session.dims.describe()} over {session.world} processes")
