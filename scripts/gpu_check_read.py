@@ -372,3 +372,12 @@ def fp8(out: Path, name: str) -> dict:
         return {"source": f"{name}.json", "runs": doc["runs"], "comparisons": doc.get("comparisons", [])}
     lines = [ln for ln in _log(out, name) if " vs " in ln and "tokens/s" in ln]
     return {"source": f"{name}.log (no JSON: the phase did not finish; its lines)", "lines": lines} if lines else {}
+
+
+def auto_tune(out: Path, name: str) -> dict:
+    """benchmarks/auto_tune.py's JSON (each run's decisions and ms a step); cut short, the lines its log has."""
+    doc = _json(out / f"{name}.json")
+    if isinstance(doc, dict) and doc.get("runs"):
+        return {"source": f"{name}.json", **{k: doc.get(k) for k in ("runs", "speedup", "goal_ms", "goal_met")}}
+    lines = [ln for ln in _log(out, name) if ln.startswith(("eager-fp32 · ", "auto · "))]
+    return {"source": f"{name}.log (no JSON: the phase did not finish; its lines)", "lines": lines} if lines else {}

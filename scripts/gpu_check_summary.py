@@ -41,6 +41,8 @@ PHASES = [
      read.peers),
     ("peers-defaults", "the same, each with its own defaults (benchmarks/peers.py)", read.peers),
     ("train", "the default training run, `gpudl train`", read.train),
+    ("auto", "precision and compile \"auto\" on gpt-tiny against eager fp32 (benchmarks/auto_tune.py)",
+     read.auto_tune),
     ("input-pipeline", "ResNet-50 from a folder of JPEGs against generated batches, and the loader alone per decode "
                        "path (benchmarks/input_pipeline.py)", read.input_pipeline),
     ("checkpoint-stall", "how long a save blocks the loop, checkpoint.async off and on (benchmarks/checkpoint_stall.py)",
@@ -248,6 +250,16 @@ def render_fp8(f: dict) -> list[str]:
         table(["", "tokens/s", "final loss", "val loss"], vs)
 
 
+def render_auto(f: dict) -> list[str]:
+    if "lines" in f:
+        return [f"    {ln}" for ln in f["lines"]]
+    rows = [[r["run"], r["precision"], r["compile"], fmt(r["step_ms"], ".2f", " ms"), fmt(r["steps"], "d")]
+            for r in f["runs"]]
+    return table(["run", "precision", "compile", "a step", "steps"], rows) + [
+        "", f"auto against eager fp32: {fmt(f['speedup'], '.2f', 'x')}; goal {f['goal_ms']} ms a step: "
+            f"{'met' if f['goal_met'] else 'not met'}", ""]
+
+
 def render_nothing(f: dict) -> list[str]:
     return []
 
@@ -256,7 +268,7 @@ READER = {name: reader for name, _, reader in PHASES}
 RENDER = {read.info_tree: render_info_tree, read.info_json: render_info_json, read.tests: render_tests,
           read.bench: render_bench, read.overhead: render_overhead, read.peers: render_peers, read.train: render_train,
           read.memory_accuracy: render_memory, read.serve_load: render_serve, read.checkpoint_stall: render_stall,
-          read.input_pipeline: render_pipeline, read.fp8: render_fp8}
+          read.input_pipeline: render_pipeline, read.fp8: render_fp8, read.auto_tune: render_auto}
 
 
 def check(out: Path) -> list[str]:

@@ -74,12 +74,16 @@ class TrainConfig:
         "auto", "numeric precision: fp32; bf16-mixed (fp32 weights, bf16 autocast); fp16-mixed (the same in fp16, "
                 "with loss scaling); bf16-true (bf16 weights); fp8 (bf16-mixed with the large linears in float8 "
                 "through torchao, on NVIDIA GPUs of compute capability 8.9 or newer; pip install 'gpudl[fp8]'); "
-                "auto picks the fastest safe one, never fp8")
+                "auto: on a GPU the job's own step timed in fp32 and bf16-mixed (fp16-mixed without bf16) and the "
+                "faster taken, on the CPU bf16-mixed where its bf16 peak is at least 1.5x fp32's; never fp8")
     fp8_recipe: Literal["rowwise", "tensorwise"] = option(
         "tensorwise", "precision=fp8's scaling: tensorwise, one scale per tensor (the fastest kernels; under FSDP2 "
                       "the weights are all-gathered in fp8, half the bytes of bf16); rowwise, a scale per row of each "
                       "operand (finer, so closer to bf16; it pays only on larger linears, so fewer are converted)")
-    compile: bool | Literal["auto"] = option("auto", "torch.compile the model; auto: on for GPUs")
+    compile: bool | Literal["auto", "reduce-overhead"] = option(
+        "auto", "torch.compile the model: true (inductor's default), reduce-overhead (also CUDA graphs: one CUDA "
+                "process, no activation checkpointing), false; auto: on a GPU the job's own step timed eager, "
+                "compiled and with CUDA graphs and the fastest taken, off on the CPU")
     activation_checkpointing: bool | Literal["full", "selective"] = option(
         False, "recompute block activations in backward: true or full, all of them; selective, all but the "
                "outputs of matmuls, attention and convolutions (less memory saved, almost no FLOPs recomputed)")

@@ -11,9 +11,6 @@ True
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -22,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .discovery import DeviceInfo, synchronize
-from ..cache import cache_dir
+from ..cache import cache_dir, read_json, write_json
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -96,20 +93,6 @@ def _cache_key(info: DeviceInfo, precision: str) -> str:
     return f"{info.kind}|{info.name}|torch={torch.__version__}|{precision}{threads}"
 
 
-def _read_cache(path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_cache(path, data: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".peak-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
-
-
 def cached_measurements(file_name: str, info: DeviceInfo, whats: list[str], measure: Callable[[], dict[str, float]],
                         use_cache: bool = True, refresh: bool = False) -> dict[str, float]:
     """Figures for `whats`, measured together by `measure()` once per device and torch version.
@@ -119,14 +102,14 @@ def cached_measurements(file_name: str, info: DeviceInfo, whats: list[str], meas
     moment on a shared machine can only pull a measurement down, never up).
     """
     path = cache_dir() / file_name
-    cache = _read_cache(path) if use_cache else {}
+    cache = read_json(path) if use_cache else {}
     keys = {what: _cache_key(info, what) for what in whats}
     if refresh or not all(key in cache for key in keys.values()):
         fresh = {keys[what]: max(figure, cache.get(keys[what], 0.0) if refresh else 0.0)
                  for what, figure in measure().items()}
         cache.update(fresh)
         if use_cache:
-            _write_cache(path, {**_read_cache(path), **fresh})
+            write_json(path, {**read_json(path), **fresh})
     return {what: float(cache[key]) for what, key in keys.items()}
 
 

@@ -28,6 +28,7 @@ from ..config import Config
 from ..device import available, detect
 from ..errors import UserError
 from .env import _first_slurm_host
+from .parallelize import check_compile
 from .preflight import check_job
 
 DEFAULT_PORT = 29500
@@ -136,6 +137,7 @@ def _check(cfg: Config, la: LaunchArgs) -> None:
 
     info = detect(cfg.run.device)
     check_job(cfg, la.world, make_precision(cfg.train.precision, info).name)
+    check_compile(cfg.train.compile, info.type, la.world, cfg.parallel, cfg.train.activation_checkpointing)
     if info.type != "cpu" and la.nproc_per_node > info.count:
         raise UserError(f"--nproc-per-node {la.nproc_per_node} asks for more processes than this machine's "
                         f"{info.count} {info.kind} device(s): use --nproc-per-node {info.count}")

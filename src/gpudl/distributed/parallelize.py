@@ -87,17 +87,62 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> nn.M
     return model
 
 
-def apply_compile(model: nn.Module) -> nn.Module:
-    """Compile in place (`nn.Module.compile`), which keeps parameter names unchanged."""
-    model.compile()
+# train.compile's value that adds CUDA graphs to inductor's kernels (torch.compile's own mode name).
+CUDA_GRAPHS = "reduce-overhead"
+
+
+def apply_compile(model: nn.Module, mode: str | None = None) -> nn.Module:
+    """Compile in place (`nn.Module.compile`), which keeps parameter names unchanged.
+
+    `mode="reduce-overhead"` also records the compiled forward and backward as CUDA graphs (inductor's
+    cudagraph trees), replayed each step: a launch per graph instead of one per kernel, which is what a
+    step of a small model spends its time on. Only the model is graphed: the optimizer step, clipping,
+    the finiteness guard and the schedule run outside, so the learning rate is never baked into a graph,
+    and dynamo guards every Python value the forward reads (a change recompiles, never replays stale).
+    """
+    model.compile(mode=mode)
     return model
 
 
 def compile_wanted(setting: bool | str, device_type: str) -> bool:
-    """`compile = "auto"`: on for GPUs, where it pays; off on the CPU, where compile time dominates short runs."""
+    """Whether the model is compiled at all. "auto" here is the rule for a job nobody timed (`gpudl plan`,
+    `gpudl bench`, a device `training/autotune.py` does not probe): on for CUDA and XPU where Triton is
+    present, off on the CPU, where compile time dominates short runs. Recipes and fit on a GPU replace
+    "auto" by what the probe measured before they get here."""
     if setting == "auto":
         return device_type in ("cuda", "xpu") and _triton_present()
     return bool(setting)
+
+
+def compile_mode(setting: bool | str, device_type: str) -> str | None:
+    """`train.compile` as torch.compile's mode: None (eager), "default" (inductor) or "reduce-overhead"."""
+    if setting == CUDA_GRAPHS:
+        return CUDA_GRAPHS
+    return "default" if compile_wanted(setting, device_type) else None
+
+
+def cuda_graphs_blocker(device_type: str, world: int, parallel: ParallelConfig,
+                        activation_checkpointing: bool | str) -> str | None:
+    """Why CUDA graphs cannot hold this job's forward and backward (None: they can)."""
+    if device_type != "cuda":
+        return f"needs a CUDA GPU, and this job runs on the {device_type}"
+    if world > 1 or parallel.fsdp_cpu_offload:
+        # DDP's and FSDP's hooks and the collectives of TP and pipelines run between the graphed kernels
+        return "runs in one process only, without DDP, FSDP, tensor or pipeline parallelism"
+    if checkpoint_mode(activation_checkpointing) != "off":
+        return "cannot be combined with activation checkpointing (its recomputation runs inside the backward)"
+    return None
+
+
+def check_compile(setting: bool | str, device_type: str, world: int, parallel: ParallelConfig,
+                  activation_checkpointing: bool | str) -> None:
+    """Refuse `train.compile = "reduce-overhead"`, in one line, where CUDA graphs cannot work."""
+    if setting != CUDA_GRAPHS:
+        return
+    why = cuda_graphs_blocker(device_type, world, parallel, activation_checkpointing)
+    if why is not None:
+        raise UserError(f"train.compile='reduce-overhead' (CUDA graphs) {why}: set --set train.compile=true "
+                        f"(gpudl.fit: compile=True)")
 
 
 def _triton_present() -> bool:
@@ -116,7 +161,7 @@ class _Layout:
     parallel: ParallelConfig
     precision_name: str
     activation_checkpointing: bool | str   # train.activation_checkpointing: false, true, "full" or "selective"
-    compile: bool
+    compile: str | None                    # torch.compile's mode (`compile_mode`); None: eager
     fp8_recipe: str | None = None          # train.fp8_recipe where the precision is fp8, else None
     fp8_emulate: bool = False              # the precision's fp8_emulate (tests on the CPU)
 
@@ -167,8 +212,9 @@ def parallelize(model: nn.Module, session: Session, parallel: ParallelConfig, pr
     everything). `fp8_emulate`: the precision's (`Precision.fp8_emulate`).
     """
     device = session.device.torch_device
+    check_compile(train.compile, device.type, session.world, parallel, train.activation_checkpointing)  # fit too
     layout = _Layout(session.dims, session.mesh, device, parallel, precision_name, train.activation_checkpointing,
-                     compile_wanted(train.compile, device.type),
+                     compile_mode(train.compile, device.type),
                      fp8_recipe=train.fp8_recipe if precision_name == "fp8" else None, fp8_emulate=fp8_emulate)
     if layout.dims is not None and layout.dims.pp > 1:
         placed = _pipeline(model, layout, materialize, train.batch_size)
@@ -176,6 +222,7 @@ def parallelize(model: nn.Module, session: Session, parallel: ParallelConfig, pr
         if materialize is not None:
             materialize(model, only=None)
         placed = _after_split(model, layout)
+    placed.cuda_graphs = layout.compile == CUDA_GRAPHS
     return _with_float8_parts(placed, layout)
 
 
@@ -206,8 +253,8 @@ def _after_split(model: nn.Module, layout: _Layout) -> Parallelized:
     mode = checkpoint_mode(layout.activation_checkpointing)
     if mode != "off":
         apply_activation_checkpointing(model, mode)
-    if layout.compile:
-        apply_compile(model)
+    if layout.compile is not None:
+        apply_compile(model, None if layout.compile == "default" else layout.compile)
     return _data_parallel(model, layout) if layout.data_parallel else Parallelized(model)
 
 
@@ -216,7 +263,7 @@ def parallelize_stage(stage: nn.Module, session: Session, parallel: ParallelConf
     """One pipeline stage parallelized as `parallelize` does it beside the pipeline (tensor parallelism,
     checkpointing, FSDP), uncompiled: what the memory estimate traces (`memory/pipeline_trace.py`)."""
     layout = _Layout(session.dims, session.mesh, session.device.torch_device, parallel, precision_name,
-                     activation_checkpointing, compile=False)
+                     activation_checkpointing, compile=None)
     return _after_split(stage, layout).model
 
 

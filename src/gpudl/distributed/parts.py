@@ -62,3 +62,6 @@ class Parallelized:
     after_optimizer_step: Callable[[], None] | None = None
     # precision fp8: which linears are float8 and why the others are not, for the start block.
     float8_note: str = ""
+    # train.compile = "reduce-overhead": forward and backward replay CUDA graphs, whose outputs the next
+    # replay overwrites; `build_job` makes the step keep nothing of them past it.
+    cuda_graphs: bool = False

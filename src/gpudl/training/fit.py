@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from ..config import CheckpointConfig, Config, LogConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
 from ..config.settings import from_dict
-from ..data import DeviceLoader
+from ..data import DeviceLoader, first_batches
 from ..data.datasets import DatasetBatches, IterableBatches, as_batch_source, as_eval_batches
 from ..data.loader import Batch, map_tensors, tensors_in
 from ..errors import UserError
@@ -33,8 +35,9 @@ from ..memory.auto import plan_module, state_needs_sharding
 from ..memory.limit import enforce_memory_limit
 from .. import models
 from ..observe.flops import count_training_flops, meta_batch
+from .autotune import MakeJob, job_identity, tune
 from .job import Task, build_job
-from .loop import TrainState
+from .loop import Job, TrainState
 from .micro import micro_batches, rows
 from .fit_loss import eval_fn_for, loss_fn_for
 from .fit_resume import (FitRun, check_same_run, checkpointer, fit_table, module_fingerprint, resolve_fit_run,
@@ -187,15 +190,15 @@ def fit(model: nn.Module, train_data, loss: Callable | None = None, *, val_data=
     run consumed, so its shuffling needs a generator of its own (`generator=torch.Generator()
     .manual_seed(0)`); a generator cannot be read again and is refused. `resume="auto"` continues
     `run_dir` when it holds a checkpoint and starts it otherwise (a script a preemptible job reruns).
-    Started by torchrun (or `gpudl train --nproc-per-node`), every process runs
-    `fit` on the same model and data: each trains on its own share of every batch (`batch_size`
-    per process; an iterable's batches are dealt out in turn), with DDP by default or as
-    `parallel` says. `memory_limit` ("12GiB" or bytes, per device) is enforced; a step that runs
-    out of memory, under it or the device's own, is run again with half the micro-batch.
-    `activation_checkpointing`: True (or "full") recomputes each block's activations in backward,
-    "selective" all but its matmuls', attention's and convolutions' outputs. `plan="auto"` traces
-    the model on fake tensors (nothing allocated) and trains with the largest micro-batch that fits,
-    checkpointing only if nothing fits without; the samples per step are kept (one process or DDP).
+    Started by torchrun (or `gpudl train --nproc-per-node`), every process runs `fit` on the same model and data: each
+    trains on its own share of every batch (`batch_size` per process; an iterable's batches are dealt out in turn),
+    with DDP by default or as `parallel` says. `memory_limit` ("12GiB" or bytes, per device) is enforced; a step that
+    runs out of memory, under it or the device's own, is run again with half the micro-batch.
+    `activation_checkpointing`: True (or "full") recomputes each block's activations in backward, "selective" all but
+    its matmuls', attention's and convolutions' outputs. `plan="auto"` traces the model on fake tensors (nothing
+    allocated) and trains with the largest micro-batch that fits, checkpointing only if nothing fits without; the
+    samples per step are kept (one process or DDP). `precision`, `compile` "auto": on a GPU copies of the model are
+    timed, the fastest taken (fp32 or bf16-mixed; eager, compiled or CUDA graphs, `compile="reduce-overhead"`).
     """
     cfg = _config(parallel, checkpoint_every,
                   train={"max_steps": max_steps, "batch_size": batch_size, "grad_accum": grad_accum,
@@ -292,6 +295,12 @@ def _fit(user: _UserParts, cfg: Config, session: Session, prec, run: FitRun, con
     loss_fn = loss_fn_for(user.loss, user.model)
     if cfg.train.plan == "auto":
         cfg, drawing = _planned(user.model, loss_fn, first, cfg, session, console, drawing)
+    # precision and compile "auto" on a GPU: timed on copies of the model before it is placed
+    tuned = tune(cfg, session, prec, lambda: _probe_job(user, loss_fn, source, cfg, session, drawing))
+    if tuned.probed:
+        console.print(f"Precision: {tuned.precision.describe()}\nCompile: {tuned.compile_note}", markup=False,
+                      soft_wrap=True)
+    cfg, prec = tuned.cfg, tuned.precision
     model = _placed(user.model, cfg, session, prec, limit)
     # counted on a meta copy where the weights stay on the host (CPU offload) and the batch is on the device
     work = _workload(models.meta_copy(model), loss_fn, meta_batch(first), rows(first), console) \
@@ -317,6 +326,20 @@ def _fit(user: _UserParts, cfg: Config, session: Session, prec, run: FitRun, con
     metrics = Metrics(s["steps"], s["final_loss"], s["samples_per_s"], s["step_s"], s["mfu"], s["peak_mem_gb"],
                       work.mfu_note, s.get("mfu_datasheet"))
     return FitResult(job.model, metrics, outcome.records, s)
+
+
+def _probe_job(user: _UserParts, loss_fn, source, cfg: Config, session: Session, drawing: dict
+               ) -> tuple[MakeJob, dict]:
+    """What `autotune.tune` times: jobs of a copy of the user's module on the first step's data, and what
+    identifies the job for its cache. The module itself is untouched (its weights are the run's)."""
+    device = session.device.torch_device
+    step = next(first_batches(source, 1, device))
+
+    def make_job(trial: Config, precision) -> Job:
+        model = _placed(copy.deepcopy(user.model), trial, session, precision, None)
+        model.zero_grad(set_to_none=True)
+        return build_job(model, trial, session, precision, Task(loss_fn, batches=itertools.repeat(step), **drawing))
+    return make_job, job_identity(user.fingerprint, tensors_in(step), cfg, session)
 
 
 def _placed(model: nn.Module, cfg: Config, session: Session, prec, limit) -> nn.Module:

@@ -98,14 +98,37 @@ def build_job(model: nn.Module, cfg: Config, session: Session, precision: Precis
         after = placed.after_optimizer_step
         optimizer.register_step_post_hook(lambda opt, args, kwargs: after())
     precision.linears = placed.float8_note  # the start block says it with the precision
-    return Job(model=placed.model, loss_fn=task.loss_fn, optimizer=optimizer,
+    loss_fn = task.loss_fn
+    if placed.cuda_graphs:
+        loss_fn = _outside_the_graph(loss_fn)
+        _stable_grads(placed.model)
+    return Job(model=placed.model, loss_fn=loss_fn, optimizer=optimizer,
                scheduler=make_scheduler(optimizer, cfg.optim, cfg.train.max_steps), precision=precision,
                batches=task.batches, eval_fn=placed.eval_fn or task.eval_fn, eval_batches=task.eval_batches,
                grad_sync=placed.grad_sync, micro_step=placed.micro_step or standard_micro_step,
                clip_norm=placed.clip_norm, draws=task.draws, micro_batch=task.micro_batch,
                any_rank=_any_rank(session), device=session.device.torch_device,
-               guard=finite_guard(session.device.torch_device, optimizer),
+               guard=finite_guard(session.device.torch_device, optimizer), grads_to_none=not placed.cuda_graphs,
                **_spike_veto(cfg, session))
+
+
+def _outside_the_graph(loss_fn: Callable[[nn.Module, Batch], torch.Tensor]) -> Callable:
+    """The loss copied out of the CUDA graph's memory (`train.compile = "reduce-overhead"`): the graph's
+    next replay overwrites its outputs in place, and the monitor keeps a step's loss until the next log
+    line. One copy of one number a micro-batch."""
+    def loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+        return loss_fn(model, batch).clone()
+    return loss
+
+
+def _stable_grads(model: nn.Module) -> None:
+    """Gradient buffers made before the first backward, and zeroed rather than freed between steps
+    (`Job.grads_to_none`): autograd adds each backward's gradients into them. Left to itself, autograd
+    would keep the graph's own output buffers as the gradients, which the next replay (an accumulating
+    step's next micro-batch) overwrites: wrong gradients or torch's error (torch issue 169545)."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 def _spike_veto(cfg: Config, session: Session) -> dict:

@@ -79,6 +79,8 @@ class Job:
     # train.on_spike = "skip": (loss, state) -> a 0-dim flag, 1 where the step's update is skipped (`spikes.py`);
     # None where no step is vetoed.
     spike_veto: Callable[[torch.Tensor, TrainState], torch.Tensor | None] = field(default=lambda loss, state: None)
+    # False: gradients are zeroed between steps, not freed (CUDA graphs need buffers that outlive a replay).
+    grads_to_none: bool = True
 
 
 class Events(Protocol):
@@ -137,7 +139,7 @@ def fitting_forward_backward(job: Job, data: list[Batch], state: TrainState, eve
                 raise
             error = (str(e).splitlines() or [type(e).__name__])[0]  # the message only: the frames must go
         job.any_rank(True)  # every rank that ran out meets here before any redoes the step
-        job.optimizer.zero_grad(set_to_none=True)  # nothing of the failed attempt survives
+        job.optimizer.zero_grad(set_to_none=job.grads_to_none)  # nothing of the failed attempt survives
         release(job.device)
         if micro <= 1:
             raise OutOfMemoryAtOneRow(f"out of memory at step {state.step + 1} with a micro-batch of one sample "
@@ -194,7 +196,7 @@ def train_loop(job: Job, cfg: TrainConfig, state: TrainState, events: Events) ->
         grad_norm = clip_gradients(job, cfg.grad_clip)
         veto = job.spike_veto(loss, state)
         stepped = job.guard.update(job.precision, job.optimizer, grad_norm, state, veto)
-        job.optimizer.zero_grad(set_to_none=True)
+        job.optimizer.zero_grad(set_to_none=job.grads_to_none)
         lr = job.scheduler.get_last_lr()[0]
         advance_schedule(job.scheduler, stepped)
         state.step += 1

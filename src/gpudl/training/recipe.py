@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +22,15 @@ from .. import models
 from ..checkpoint import Checkpointer, model_fingerprint
 from ..config import Config
 from ..data import Data, DeviceLoader, first_batches, usable_cores
+from ..data.loader import tensors_in
 from ..device.peak import measured_peak_flops, peak_key
-from ..distributed.parallelize import compile_wanted
+from ..distributed.parallelize import check_compile, compile_wanted
 from ..distributed.preflight import check_job
 from ..errors import UserError
 from ..memory.auto import planned, shard_wanted
 from ..memory.limit import enforce_memory_limit
 from ..observe.flops import count_training_flops, meta_batch
+from .autotune import MakeJob, Tuned, job_identity, tune
 from .job import Task, build_job, model_and_data
 from .loop import Job, OutOfMemoryAtOneRow, TrainState
 from .precision import Precision, make_precision
@@ -81,11 +84,29 @@ def recipe_job(cfg: Config, spec: models.ModelSpec, data: Data, session: Session
     return job, work
 
 
-def train(cfg: Config, resume: str | Path | None = None, console: Console | None = None) -> RunResult:
+def probe_job(cfg: Config, spec: models.ModelSpec, data: Data, session: Session) -> tuple[MakeJob, dict]:
+    """What `autotune.tune` times: jobs of the recipe's model on the first step's data (as the loader makes
+    it), each a fresh model at the run's seed, and what identifies the job for its cache."""
+    device = session.device.torch_device
+    step = next(first_batches(data.train, 1, device))
+
+    def make_job(trial: Config, precision: Precision) -> Job:
+        materialize = functools.partial(models.materialize, device=device, dtype=precision.param_dtype,
+                                        seed=cfg.run.seed)
+        task = Task(models.loss_for(spec), batches=itertools.repeat(step), micro_batch=trial.train.batch_size)
+        return build_job(models.build_meta(spec), trial, session, precision, task, materialize)
+    return make_job, job_identity({"name": spec.name, **dataclasses.asdict(spec.config)}, tensors_in(step), cfg,
+                                  session)
+
+
+def train(cfg: Config, resume: str | Path | None = None, console: Console | None = None,
+          probe_on_cpu: bool = False) -> RunResult:
     """Train the model a config describes; `resume` continues the run in that folder.
 
     `resume="auto"` continues run `run.name` if it has a checkpoint and starts it otherwise
-    (what a restarted multi-process job does).
+    (what a restarted multi-process job does). `probe_on_cpu` (internal, for tests: no config key or
+    option reaches it): time precision and compile candidates on the CPU too, as on a GPU
+    (`training/autotune.py`).
 
     >>> from gpudl.config import load_config
     >>> cfg = load_config(None, ["train.max_steps=2", "run.dir=/tmp/gpudl-doctest", "sample.tokens=0"])
@@ -102,18 +123,24 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
     check_job(cfg, session.world, precision.name)
     with session.during("plan agreement"):
         cfg = planned(cfg, session, console)
+    check_compile(cfg.train.compile, session.device.type, session.world, cfg.parallel,
+                  cfg.train.activation_checkpointing)
     measured_peak_flops(session.device, peak_key(precision.name))  # for MFU; measured now, not under a limit
     compiled = compile_wanted(cfg.train.compile, session.device.type)
     with enforce_memory_limit(session.device, cfg.train.memory_limit, compiled):
-        return _train(cfg, session, precision, resume, console)
+        return _train(cfg, session, precision, resume, console, probe_on_cpu)
 
 
-def _train(cfg: Config, session: Session, precision: Precision, resume, console: Console) -> RunResult:
+def _train(cfg: Config, session: Session, precision: Precision, resume, console: Console,
+           probe_on_cpu: bool) -> RunResult:
     with session.during("plan agreement"):
         plan_parallel(session, cfg.parallel, shard_wanted(cfg, session))
         spec, data = model_and_data(cfg, *session.dp, tokenizer=kept_tokenizer(cfg, resume))
         run_dir, resuming = resolve_run_dir(cfg, resume, session)
     with session.during("model set-up"):
+        # precision and compile "auto" on a GPU: timed on throw-away jobs before the run's own is made
+        tuned = tune(cfg, session, precision, lambda: probe_job(cfg, spec, data, session), probe_on_cpu)
+        cfg, precision = tuned.cfg, tuned.precision
         job, work = recipe_job(cfg, spec, data, session, precision)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, model_fingerprint(spec.name, spec.config),
                         is_writer=session.is_writer, watch=session.watch())
@@ -125,7 +152,7 @@ def _train(cfg: Config, session: Session, precision: Precision, resume, console:
     loader = DeviceLoader(data.train, session.device.torch_device, start=state.batches,
                           num_workers=cfg.data.num_workers, cores=max(1, usable_cores() // ranks_here))
     job.batches = loader
-    _announce(console, session, precision, spec, work, data, state, cfg.parallel.fsdp_cpu_offload)
+    _announce(console, session, tuned, spec, work, data, state, cfg.parallel.fsdp_cpu_offload)
     console.print(f"Loader: {loader.description}", markup=False, soft_wrap=True)
     if rng_note:
         console.print(rng_note, markup=False, soft_wrap=True)
@@ -166,9 +193,10 @@ def resume_command(session: Session, run_dir: Path) -> str:
                        "--resume", str(run_dir)])
 
 
-def _announce(console, session: Session, precision: Precision, spec, work: Workload, data: Data, state,
+def _announce(console, session: Session, tuned: Tuned, spec, work: Workload, data: Data, state,
               offload: bool) -> None:
-    console.print(f"Precision: {precision.describe()}")
+    console.print(f"Precision: {tuned.precision.describe()}", markup=False, soft_wrap=True)
+    console.print(f"Compile: {tuned.compile_note}", markup=False, soft_wrap=True)
     console.print(f"Model: {spec.name}: {models.describe(spec)}; {work.n_params / 1e6:.2f}M parameters")
     if session.world > 1:
         console.print(f"Parallel: {session.dims.describe()} over {session.world} processes")
