@@ -1,7 +1,7 @@
 """The GPU-decoding half of a folder source, driven here by a real JPEG decoder of the host's (Pillow,
 handed the same file bytes nvJPEG would get): which files go to the device decoder, the crops, flips
 and normalisation done after it, and the fall-back to the host for what it cannot take. nvJPEG itself
-runs in `scripts/gpu-check --only input_pipeline` on a GPU machine."""
+runs in `scripts/gpu-check --only input-pipeline` on a GPU machine."""
 
 from __future__ import annotations
 
