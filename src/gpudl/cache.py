@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -27,7 +29,26 @@ def read_json(path: Path) -> dict:
 
 def write_json(path: Path, data: dict) -> None:
     """Write a cache file atomically: a reader never sees half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-")
-    with os.fdopen(fd, "w") as f:
+    with atomic_file(path, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`path` holds `data` whole or keeps what it held: a crash never leaves half a file under its name."""
+    with atomic_file(path) as f:
+        f.write(data)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "wb") -> Iterator:
+    """A file written under a temporary name beside `path`, renamed onto it when the block ends well and
+    removed when it does not. What the block does before it ends happens before the name appears."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+        os.chmod(tmp, 0o644)  # as a file written plainly would be (mkstemp makes it private)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -22,6 +22,7 @@ from gpudl.observe import metrics
 from gpudl.observe.metrics import Throughput
 from gpudl.observe.report import report_run
 from gpudl.observe.sinks import ConsoleProgress, mfu_text, summary_table
+from test_fit_ecosystem import Scale  # no matrix product anywhere: the FLOP counter counts nothing, so MFU is unknown
 
 
 def _window(monkeypatch, throughput: Throughput, ticks: int, now: float, exclude_s: float = 0.0) -> dict:
@@ -110,17 +111,6 @@ def test_a_run_on_a_device_with_a_datasheet_quotes_it_first(tiny, monkeypatch):
     assert json.loads((run / "summary.json").read_text())["mfu_datasheet"] == pytest.approx(s["mfu_datasheet"])
     rows = list(csv.DictReader(open(run / "metrics.csv")))
     assert [float(row["mfu_datasheet"]) for row in rows] == pytest.approx([r["mfu_datasheet"] for r in train])
-
-
-class Scale(torch.nn.Module):
-    """No matrix product anywhere: the FLOP counter counts nothing, so MFU is unknown."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(4))
-
-    def forward(self, x, y):
-        return ((x * self.w - y) ** 2).mean()
 
 
 def test_an_unknown_mfu_is_shown_missing_everywhere(tmp_path, capsys):

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..errors import UserError
-from ..cache import cache_dir
+from ..cache import atomic_file, cache_dir
 from .text_sources import Corpus, file_fingerprint, find_corpus, stdlib_sources
 
 # Bump when the way files become a token file changes, so cached corpora are rebuilt.
@@ -39,17 +37,11 @@ def _stdlib_fingerprint() -> str:
 
 def _write_bytes_file(files: list[Path], out: Path) -> None:
     """Concatenate the files (skipping binaries) into `out`, atomically."""
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tokens-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for p in files:
-                data = p.read_bytes().rstrip(b"\n")
-                if data and b"\x00" not in data[:4096]:  # a NUL byte marks a binary file, not text
-                    f.write(data + b"\n\n")
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(out) as f:
+        for p in files:
+            data = p.read_bytes().rstrip(b"\n")
+            if data and b"\x00" not in data[:4096]:  # a NUL byte marks a binary file, not text
+                f.write(data + b"\n\n")
 
 
 def byte_corpus(path: str | None) -> Path:

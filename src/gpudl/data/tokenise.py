@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import tempfile
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -25,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cache import cache_dir
+from ..cache import atomic_file, cache_dir, write_atomically
 from ..errors import UserError
 from .text_cache import WorkBar, cache_key, cache_lock
 from .text_sources import Corpus, documents
-from .tokenizer import FileTokenizer, Tokenizer, write_atomically
+from .tokenizer import FileTokenizer, Tokenizer
 
 FORMAT = 1              # bump when the way documents become a token file changes
 CHUNK_BYTES = 1 << 20   # text per work item: big enough that a worker's round trip is noise
@@ -148,19 +147,13 @@ def _write(corpus, tokenizer, val_fraction, out, dtype, show, workers, parallel_
         from .loader import usable_cores
         workers = usable_cores()
     pool = workers if n_bytes >= parallel_from and isinstance(tokenizer, FileTokenizer) and workers > 1 else 0
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tokens-")
-    try:
-        what = f"Tokenising {n_bytes / 1e6:.1f} MB of text ({_name(tokenizer)}, " \
-               f"{f'{pool} processes' if pool else 'this process'})"
-        with os.fdopen(fd, "wb") as f, WorkBar(what, n_bytes, show) as bar:
+    what = f"Tokenising {n_bytes / 1e6:.1f} MB of text ({_name(tokenizer)}, " \
+           f"{f'{pool} processes' if pool else 'this process'})"
+    with atomic_file(out) as f:  # renamed last: the name appears only when the file and its description are whole
+        with WorkBar(what, n_bytes, show) as bar:
             counts = _tokenise(pieces(corpus, with_eot, val_fraction), tokenizer, dtype, f, bar, pool)
         made = TokenFile(path=out, dtype=dtype, documents=docs, **counts)
         write_atomically(_meta_path(out), json.dumps({**asdict(made), "path": out.name}).encode())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)  # last: the name appears only when the file and its description are whole
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return made
 
 

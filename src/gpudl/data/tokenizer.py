@@ -12,11 +12,10 @@ nothing in it can run code. One that does not parse is one line naming it.
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..cache import write_atomically
 from ..errors import UserError
 
 FILE = "tokenizer.json"
@@ -106,19 +105,6 @@ class FileTokenizer(Tokenizer):
         out = Path(folder) / FILE
         write_atomically(out, self.json_text.encode("utf-8"))
         return out
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """`path` holds `data` whole or keeps what it held: a crash never leaves half a file under its name."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # as a file written plainly would be (mkstemp makes it private)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def run_tokenizer(run_dir: Path) -> Tokenizer:
