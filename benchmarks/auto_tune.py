@@ -6,7 +6,7 @@ run does): eager fp32 first (the comparison: short, its step time is what matter
 "auto". Prints each run's Precision and Compile lines from its start block and its milliseconds a step
 (summary.json's `step_s`: the log windows after the first), and writes the figures as JSON.
 
-The auto run's default length matters: `training/autotune.py` tries compiling only where the run, at
+The auto run's default length matters: `run/autotune.py` tries compiling only where the run, at
 the eager step time, is longer than the compiles would take (two of about 15 s each), so gpt-tiny
 (about 6 ms a step eager on an H200) needs some 5,000 steps before compile and CUDA graphs are timed.
 

@@ -27,8 +27,8 @@ from rich.console import Console
 
 from gpudl.checkpoint.background import BackgroundWriter
 from gpudl.config import load_config
-from gpudl.training.monitor import Monitor
-from gpudl.training.recipe import train
+from gpudl.run.monitor import Monitor
+from gpudl.run.recipe import train
 
 
 def parse() -> argparse.Namespace:

@@ -70,8 +70,8 @@ def train_one(args: argparse.Namespace) -> dict:
     from gpudl.training.job import model_and_data
     from gpudl.training.loop import NoEvents, TrainState, train_loop
     from gpudl.training.precision import make_precision
-    from gpudl.training.recipe import recipe_job
-    from gpudl.training.session import Session
+    from gpudl.run.recipe import recipe_job
+    from gpudl.distributed.session import Session
 
     cfg = load_config(args.config, settings(args, args.one))
     info = detect(cfg.run.device)

@@ -1,7 +1,7 @@
 """The input pipeline from a folder of JPEGs, measured: can it keep the device busy?
 
 A deterministic folder of JPEGs at ImageNet-like sizes is generated once in the cache (10,000 files
-of 500x375 at quality 90 in 100 classes: `gpudl.data.sample_folder`). Then, each part on its own
+of 500x375 at quality 90 in 100 classes: `tests/jpeg_folder.py`). Then, each part on its own
 (`--only`):
 
   loader  the loader alone (random-resized crop + flip at --size, the batches on --device, nothing
@@ -35,6 +35,9 @@ from pathlib import Path
 
 import torch
 
+# the generated JPEG folder is the tests' own (tests/jpeg_folder.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,7 +65,7 @@ def cores() -> int:
 
 
 def folder(args) -> Path:
-    from gpudl.data.sample_folder import sample_folder
+    from jpeg_folder import sample_folder
 
     t0 = time.perf_counter()
     root = sample_folder(args.images, 100, processes=cores())
@@ -85,8 +88,8 @@ def loader_rate(root: Path, args, decode: str, kind: str, workers: int) -> tuple
     `kind` "processes" makes the same batches in DataLoader worker processes instead of threads:
     the two side by side measure what the GIL costs the decoding threads."""
     from gpudl.data import DeviceLoader
-    from gpudl.data.folder import FolderBatches
-    from gpudl.data.folder_index import index_folder
+    from gpudl.data.images.folder import FolderBatches
+    from gpudl.data.images.index import index_folder
 
     device = torch.device(args.device)
     source = FolderBatches(index_folder(root), args.size, args.batch_size, seed=0, decode=decode)
@@ -106,7 +109,7 @@ def loader_rate(root: Path, args, decode: str, kind: str, workers: int) -> tuple
 
 
 def part_loader(root: Path, args) -> list[dict]:
-    from gpudl.data.gpu_decode import nvjpeg
+    from gpudl.data.images.gpu_decode import nvjpeg
 
     paths = [("host", "threads"), ("host", "processes")]
     paths += [("device", "threads")] if nvjpeg(torch.device(args.device))[0] is not None else []
@@ -174,7 +177,7 @@ def rss_mb() -> float:
 
 
 def child_index(path: str) -> dict:
-    from gpudl.data.folder_index import index_folder
+    from gpudl.data.images.index import index_folder
 
     before = rss_mb()
     t0 = time.perf_counter()
@@ -210,7 +213,7 @@ def child_train_rss(path: str) -> dict:
     from rich.console import Console
 
     from gpudl.config import load_config
-    from gpudl.training.recipe import train
+    from gpudl.run.recipe import train
 
     with tempfile.TemporaryDirectory() as tmp:
         sets = [f"data.path={path}", "model.name=resnet18", "data.image_size=32", "train.batch_size=16",
@@ -222,7 +225,7 @@ def child_train_rss(path: str) -> dict:
 
 
 def part_rss(args) -> dict:
-    from gpudl.data.sample_folder import sample_folder
+    from jpeg_folder import sample_folder
 
     out = {}
     for n in (1_000, 20_000):

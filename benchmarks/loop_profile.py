@@ -40,9 +40,9 @@ from gpudl.observe.sinks import FileSink  # noqa: E402
 from gpudl.training.finite import DeviceGuard  # noqa: E402
 from gpudl.training.job import Task, build_job  # noqa: E402
 from gpudl.training.loop import NoEvents, TrainState, train_loop  # noqa: E402
-from gpudl.training.monitor import Monitor  # noqa: E402
+from gpudl.run.monitor import Monitor  # noqa: E402
 from gpudl.training.precision import make_precision  # noqa: E402
-from gpudl.training.session import Session  # noqa: E402
+from gpudl.distributed.session import Session  # noqa: E402
 
 HOST_READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
               torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.numpy}

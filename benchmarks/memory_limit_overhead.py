@@ -29,7 +29,7 @@ from gpudl.memory.limit import limit_memory
 from gpudl.training.job import Task, build_job
 from gpudl.training.loop import NoEvents, TrainState, train_loop
 from gpudl.training.precision import make_precision
-from gpudl.training.session import Session
+from gpudl.distributed.session import Session
 
 
 def parse() -> argparse.Namespace:

@@ -2,7 +2,7 @@
 
 The measurement side of the memory-accuracy benchmark: what the memory estimator predicts is
 compared with what this module sees. It shares no code with the estimator. Each rank builds
-its job exactly as `gpudl.training.recipe.train` does (config -> session -> preflight -> layout
+its job exactly as `gpudl.run.recipe.train` does (config -> session -> preflight -> layout
 -> model and data -> `recipe_job`, which is `build_job`, then the `DeviceLoader`), with every
 CPU allocation and free recorded from before the job is built, and runs two real training steps
 with `train_loop` (forward, backward, clip, finiteness check, optimizer step, zero_grad). The
@@ -143,8 +143,8 @@ def _toml(value: object) -> str:
 
 # What the two functions below import, in their order: imported before a rank's clock starts.
 RANK_MODULES = ("rich.console", "torch.profiler", "gpudl.config", "gpudl.data", "gpudl.distributed.preflight",
-                "gpudl.training.loop", "gpudl.training.precision", "gpudl.training.job", "gpudl.training.recipe",
-                "gpudl.training.session")
+                "gpudl.training.loop", "gpudl.training.precision", "gpudl.training.job", "gpudl.run.recipe",
+                "gpudl.distributed.session")
 
 
 def measure_this_process(case: Case, method: str = "c10-log", scratch: Path | None = None) -> dict:
@@ -191,7 +191,7 @@ def _start_rank(case: Case) -> tuple:
     from gpudl.distributed.preflight import check_job
     from gpudl.training.precision import make_precision
     from gpudl.training.job import model_and_data
-    from gpudl.training.session import plan_parallel, start_session
+    from gpudl.distributed.session import plan_parallel, start_session
 
     cfg = load_config(None, case.config_sets())
     session = start_session(cfg.run, Console(quiet=True), cfg.parallel.timeout_s, init_method=os.environ.get(INIT_ENV),
@@ -212,7 +212,7 @@ def _build_job_and_record_two_steps(cfg, session, precision, spec, data, log, pr
 
     from gpudl.data import DeviceLoader
     from gpudl.training.loop import NoEvents, TrainState, train_loop
-    from gpudl.training.recipe import recipe_job
+    from gpudl.run.recipe import recipe_job
 
     if session.world > 1:
         dist.barrier()  # no rank's build overlaps another's steps: each measures its own process anyway

@@ -43,9 +43,9 @@ from gpudl.observe.metrics import Throughput
 from gpudl.observe.sinks import FileSink
 from gpudl.training.job import Task, build_job
 from gpudl.training.loop import TrainState, train_loop
-from gpudl.training.monitor import Monitor
+from gpudl.run.monitor import Monitor
 from gpudl.training.precision import make_precision
-from gpudl.training.session import Session
+from gpudl.distributed.session import Session
 
 
 def parse() -> argparse.Namespace:

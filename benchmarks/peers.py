@@ -48,17 +48,17 @@ from gpudl.data import DeviceLoader
 from gpudl.data.datasets import as_batch_source
 from gpudl.device import detect, synchronize
 from gpudl.device.host import keep_freed_memory
-from gpudl.device.kernels import attention_kernel
+from gpudl.training.kernels import attention_kernel
 from gpudl.distributed.parallelize import compile_wanted
 from gpudl.models.attention import use_attention
 from gpudl.observe.metrics import Throughput
 from gpudl.observe.sinks import FileSink
 from gpudl.training.job import Task, build_job
 from gpudl.training.loop import Job, TrainState, train_loop
-from gpudl.training.monitor import Monitor
+from gpudl.run.monitor import Monitor
 from gpudl.training.optim import make_optimizer, make_scheduler
 from gpudl.training.precision import make_precision
-from gpudl.training.session import Session
+from gpudl.distributed.session import Session
 
 LR = 3e-3
 FABRIC_PRECISION = {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "fp16-mixed": "16-mixed", "bf16-true": "bf16-true"}

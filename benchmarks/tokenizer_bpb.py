@@ -93,9 +93,9 @@ def tokenise(args) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="gpudl-cache-") as cache:
         os.environ["GPUDL_CACHE_DIR"] = cache
         from gpudl.config import load_config
-        from gpudl.data.bpe import bpe_tokenizer
-        from gpudl.data.text_sources import find_corpus
-        from gpudl.data.tokenise import token_file
+        from gpudl.data.text.bpe import bpe_tokenizer
+        from gpudl.data.text.sources import find_corpus
+        from gpudl.data.text.token_file import token_file
         from gpudl.models import from_config
 
         cfg = load_config(args.config, [f"data.path={args.data}"] if args.data else [])

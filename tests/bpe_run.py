@@ -68,7 +68,7 @@ def copy_run(run: Path, to: Path) -> Path:
 def greedy_ids(run: Path, prompt_ids: list[int], n: int) -> list[int]:
     """The run's newest checkpoint continued greedily by up to n tokens (until the context is full),
     the whole sequence through the model for every token."""
-    from gpudl.training.trained import load_trained
+    from gpudl.run.trained import load_trained
 
     model, ids = load_trained(run, "cpu").model, list(prompt_ids)
     with torch.no_grad():

@@ -10,25 +10,25 @@ from .config import Config, load_config
 from .device import DeviceInfo, detect
 from .errors import UserError
 
-__version__ = "0.1.0"
+from .version import __version__
 
 
 def train(cfg: Config, resume=None, console=None):
-    """Train the model a config describes; `resume`: a run folder to continue (`gpudl.training.recipe.train`).
+    """Train the model a config describes; `resume`: a run folder to continue (`gpudl.run.recipe.train`).
 
     >>> result = gpudl.train(gpudl.load_config("gpt-tiny", ["train.max_steps=20"]))  # doctest: +SKIP
     """
-    from .training.recipe import train as _train
+    from .run.recipe import train as _train
 
     return _train(cfg, resume=resume, console=console)
 
 
 def fit(model, train_data, loss=None, **options):
-    """Train any nn.Module on the best device (`gpudl.training.fit.fit` lists the options).
+    """Train any nn.Module on the best device (`gpudl.run.fit.fit` lists the options).
 
     >>> result = gpudl.fit(torch.nn.Linear(8, 2), (x, y), loss=F.cross_entropy, max_steps=500)  # doctest: +SKIP
     """
-    from .training.fit import fit as _fit
+    from .run.fit import fit as _fit
 
     return _fit(model, train_data, loss, **options)
 

@@ -83,10 +83,10 @@ def cmd_train(args, console: Console) -> int:
         raise UserError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}: e.g. --nproc-per-node 2")
     cfg = train_config(args)
     if "RANK" not in os.environ and (args.nproc_per_node or args.nnodes > 1 or "SLURM_NNODES" in os.environ):
-        from .distributed.launch import launch_training
+        from .run.launch import launch_training
 
         return launch_training(args, cfg, console)
-    from .training.recipe import train
+    from .run.recipe import train
 
     result = train(cfg, resume=args.resume, console=console)
     if os.environ.get("RANK", "0") == "0":
@@ -97,8 +97,8 @@ def cmd_train(args, console: Console) -> int:
 
 def cmd_generate(args, console: Console) -> int:
     from .data.tokenizer import run_tokenizer
-    from .models.generate import UnknownToken, sample_text
-    from .training.trained import find_run, load_trained
+    from .run.sample import UnknownToken, sample_text
+    from .run.trained import find_run, load_trained
 
     t = load_trained(find_run(args.run_dir), args.device or "auto")
     if not t.spec.is_language_model:
@@ -128,8 +128,8 @@ def bits_per_byte(loss: float, data) -> float | None:
 
 def cmd_evaluate(args, console: Console) -> int:
     from .data import first_batches
-    from .training.recipe import eval_fn_for
-    from .training.trained import find_run, load_trained
+    from .run.recipe import eval_fn_for
+    from .run.trained import find_run, load_trained
 
     t = load_trained(find_run(args.run_dir), args.device or "auto")
     if t.data.val is None:
@@ -160,7 +160,7 @@ def cmd_export(args, console: Console) -> int:
     import dataclasses
 
     from .checkpoint import export_safetensors
-    from .training.trained import find_run, load_trained
+    from .run.trained import find_run, load_trained
 
     t = load_trained(find_run(args.run_dir), args.device or "cpu")
     out = Path(args.out) if args.out else t.run_dir / "model.safetensors"
@@ -288,7 +288,7 @@ def _bench_scaling(args, console: Console) -> int:
 
 def cmd_report(args, console: Console) -> int:
     from .observe.report import report_run
-    from .training.trained import find_run
+    from .run.trained import find_run
 
     written, notes = report_run(find_run(args.run_dir))
     for note in notes:

@@ -26,7 +26,7 @@ from gpudl.device import detect
 from gpudl.training.loop import Job, TrainState, train_loop
 from gpudl.training.optim import make_optimizer, make_scheduler
 from gpudl.training.precision import make_precision
-from gpudl.training.recipe import train
+from gpudl.run.recipe import train
 
 QUIET = Console(quiet=True)
 MIXED = ["bf16-mixed", "fp16-mixed"]
@@ -166,7 +166,7 @@ RESUME = textwrap.dedent("""
     from rich.console import Console
     from gpudl.checkpoint import complete_checkpoints
     from gpudl.config import load_config
-    from gpudl.training.recipe import train
+    from gpudl.run.recipe import train
 
     sets, root = json.loads(sys.argv[1]), sys.argv[2]
 

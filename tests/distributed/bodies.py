@@ -35,7 +35,7 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def train_tiny(sets: list[str], resume: str | None = None, device: str = "cpu") -> dict:
     from gpudl.config import load_config
-    from gpudl.training.recipe import train
+    from gpudl.run.recipe import train
 
     cfg = load_config(None, on(device, sets))
     result = train(cfg, resume=resume, console=Console(quiet=True))
@@ -48,7 +48,7 @@ def train_tiny(sets: list[str], resume: str | None = None, device: str = "cpu") 
 def train_images(sets: list[str], resume: str | None = None, device: str = "cpu") -> dict:
     """Train a CNN with exactly `sets` (no TINY: its settings are a GPT's) and report the losses."""
     from gpudl.config import load_config
-    from gpudl.training.recipe import train
+    from gpudl.run.recipe import train
 
     result = train(load_config(None, [f"run.device={device}", *sets]), resume=resume, console=Console(quiet=True))
     return {"losses": {r["step"]: r["loss"] for r in result.records if r["kind"] == "train"},
@@ -84,7 +84,7 @@ def train_gathered(sets: list[str], resume: str | None = None, device: str = "cp
     from torch.distributed.tensor import DTensor
 
     from gpudl.config import load_config
-    from gpudl.training.recipe import train
+    from gpudl.run.recipe import train
 
     result = train(load_config(None, on(device, sets)), resume=resume, console=Console(quiet=True))
     mine = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
@@ -104,7 +104,7 @@ def train_tiny_tp(sets: list[str], device: str = "cpu") -> dict:
     from torch.distributed.tensor import DTensor
 
     from gpudl.config import load_config
-    from gpudl.training.recipe import train
+    from gpudl.run.recipe import train
 
     result = train(load_config(None, on(device, sets)), console=Console(quiet=True))
     model = result.model
@@ -336,8 +336,8 @@ def load_weights_only(sets: list[str], run: str, device: str = "cpu") -> dict[st
     from gpudl.config import load_config
     from gpudl.training.job import model_and_data
     from gpudl.training.precision import make_precision
-    from gpudl.training.recipe import recipe_job
-    from gpudl.training.session import plan_parallel, start_session
+    from gpudl.run.recipe import recipe_job
+    from gpudl.distributed.session import plan_parallel, start_session
 
     cfg = load_config(None, on(device, sets))
     session = start_session(cfg.run, Console(quiet=True), cfg.parallel.timeout_s)
@@ -357,7 +357,7 @@ def resume_on_this_world(sets: list[str], resume: str | None = None, weights_onl
     `weights_only`, first a weights-only load of the same checkpoint into a fresh job. Also called
     in the test's own process (one process, no group)."""
     from gpudl.config import load_config
-    from gpudl.training import recipe
+    from gpudl.run import recipe
 
     out = {"weights_only": load_weights_only(sets, resume, device)} if weights_only else {}
     real = recipe.restore_job
@@ -416,7 +416,7 @@ def train_fp8_emulated(sets: list[str], resume: str | None = None, device: str =
     import functools
 
     import gpudl.distributed.float8 as float8
-    import gpudl.training.recipe as recipe
+    import gpudl.run.recipe as recipe
     from gpudl.checkpoint.store import local_data
     from gpudl.config import load_config
     from torch.distributed.tensor import DTensor

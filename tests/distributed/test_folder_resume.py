@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bodies import train_images
-from gpudl.data.sample_folder import write_jpeg_folder
+from jpeg_folder import write_jpeg_folder
 from helper import run_ranks
 
 pytest.importorskip("PIL")

@@ -9,7 +9,7 @@ from rich.console import Console
 from bodies import on, poison_loss
 from gpudl import models
 from gpudl.config import load_config
-from gpudl.training.recipe import train
+from gpudl.run.recipe import train
 from helper import need_devices, run_ranks, tolerance
 
 

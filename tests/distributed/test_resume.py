@@ -20,7 +20,7 @@ from rich.console import Console
 from bodies import on, resume_on_this_world
 from gpudl.checkpoint.streams import derived_seed
 from gpudl.config import load_config
-from gpudl.training.recipe import train
+from gpudl.run.recipe import train
 from helper import run_ranks, tolerance
 
 GLOBAL_BATCH = 8

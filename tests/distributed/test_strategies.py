@@ -11,7 +11,7 @@ from rich.console import Console
 
 from bodies import on
 from gpudl.config import load_config
-from gpudl.training.recipe import train
+from gpudl.run.recipe import train
 from helper import need_devices, run_ranks, tolerance
 
 _references: dict = {}

@@ -26,8 +26,8 @@ import torch
 from rich.console import Console
 
 from gpudl.config import load_config
-from gpudl.data.text import TokenStream, byte_corpus
-from gpudl.training.recipe import train
+from gpudl.data.text.streams import TokenStream, byte_corpus
+from gpudl.run.recipe import train
 
 STORED = Path(__file__).with_name("gpt_tiny_fp32.json")
 SETS = ["train.max_steps=20", "train.precision=fp32", "train.log_every=1", "train.eval_every=0", "sample.tokens=0",

@@ -111,7 +111,7 @@ def _local(run: Path):
 
 def _reference(run: Path):
     """The run's model from its checkpoint (not the export the server reads), in eval mode on the CPU."""
-    from gpudl.training.trained import load_trained
+    from gpudl.run.trained import load_trained
 
     return load_trained(run, "cpu").model
 

@@ -17,7 +17,7 @@ from gpudl.checkpoint import export_safetensors
 from gpudl.config import load_config
 from gpudl.errors import UserError
 from gpudl.serve.load import load_model
-from gpudl.training.recipe import train
+from gpudl.run.recipe import train
 
 CPU = torch.device("cpu")
 GPT_SETTINGS = {"n_layer": 2, "d_model": 32, "n_head": 2, "block_size": 32}

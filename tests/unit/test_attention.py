@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from gpudl.device import kernels
-from gpudl.device.kernels import fastest_cpu_kernel, measured_cpu_attention as causal_attention
+from gpudl.training import kernels
+from gpudl.training.kernels import fastest_cpu_kernel, measured_cpu_attention as causal_attention
 from gpudl.models import attention
 
 SHAPE = (2, 3, 16, 8)
@@ -168,7 +168,7 @@ def test_training_hands_the_model_the_kernel_its_setting_names(setting, device, 
     from gpudl.device import DeviceInfo, cpu_info
     from gpudl.training.job import Task, build_job
     from gpudl.training.precision import make_precision
-    from gpudl.training.session import Session
+    from gpudl.distributed.session import Session
 
     model = models.build(models.resolve("gpt-tiny", {"n_layer": 2}), torch.device("cpu"))
     layers = [m for m in model.modules() if type(m).__name__ == "Attention"]

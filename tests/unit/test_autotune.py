@@ -1,4 +1,4 @@
-"""precision and compile "auto" decided by timing the job's own step (training/autotune.py).
+"""precision and compile "auto" decided by timing the job's own step (run/autotune.py).
 
 The decision rules are pure functions over measured step times and are checked on made-up figures;
 the probe itself runs for real on the CPU through `train(..., probe_on_cpu=True)`, the internal
@@ -17,20 +17,20 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 
-import gpudl.training.autotune as autotune
+import gpudl.run.autotune as autotune
 import gpudl.training.job as job_module
-import gpudl.training.recipe as recipe
+import gpudl.run.recipe as recipe
 from conftest import TINY, run_cli
 from gpudl.config import Config, ParallelConfig, TrainConfig
 from gpudl.device import cpu_info
 from gpudl.distributed.parallelize import check_compile
 from gpudl.distributed.parts import Parallelized
 from gpudl.errors import UserError
-from gpudl.training.autotune import CUDA_GRAPHS, Probe, choose_compile, choose_precision, compile_skip, fastest
+from gpudl.run.autotune import CUDA_GRAPHS, Probe, choose_compile, choose_precision, compile_skip, fastest
 from gpudl.training.job import Task, build_job
 from gpudl.training.loop import NoEvents, TrainState, train_loop
 from gpudl.training.precision import make_precision
-from gpudl.training.session import Session
+from gpudl.distributed.session import Session
 
 ORDER = ["eager", "compiled", CUDA_GRAPHS]
 

@@ -173,7 +173,7 @@ def test_a_precision_the_device_cannot_run_names_what_it_can(capsys, tmp_path, m
 
 
 def test_report_of_a_training_run(tiny, capsys):
-    from gpudl.training.recipe import train
+    from gpudl.run.recipe import train
 
     run_dir = train(tiny("log.plot=false"), console=Console(quiet=True)).run_dir
     assert main(["report", str(run_dir)]) == 0

@@ -11,11 +11,11 @@ import pytest
 
 from conftest import TINY, run_cli
 from gpudl.config import DataConfig, load_config
-from gpudl.data.bpe import bpe_tokenizer
-from gpudl.data.text_data import choose_tokenizer, text_tokens
-from gpudl.data.text_sources import find_corpus
-from gpudl.data import tokenise
-from gpudl.data.tokenise import token_file
+from gpudl.data.text.bpe import bpe_tokenizer
+from gpudl.data.text.tokens import choose_tokenizer, text_tokens
+from gpudl.data.text.sources import find_corpus
+from gpudl.data.text import token_file as tokenise
+from gpudl.data.text.token_file import token_file
 from gpudl.data.tokenizer import EOT, ByteTokenizer
 from gpudl.errors import UserError
 

@@ -10,8 +10,8 @@ import pytest
 from rich.console import Console
 
 from gpudl.config import load_config
-import gpudl.training.budget as budget_module
-from gpudl.training.recipe import train
+import gpudl.run.budget as budget_module
+from gpudl.run.recipe import train
 
 QUIET = Console(quiet=True)
 SMALL = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.block_size=32", "train.batch_size=4",

@@ -11,7 +11,7 @@ from gpudl.checkpoint.reader import SafeLoadPlanner
 from gpudl.checkpoint import complete_checkpoints
 from gpudl.checkpoint.files import manifest
 from gpudl.errors import UserError
-from gpudl.training.recipe import train
+from gpudl.run.recipe import train
 
 QUIET = Console(quiet=True)
 RESUMABLE = ["train.max_steps=12", "checkpoint.every=6", "train.log_every=1", "train.eval_every=0",

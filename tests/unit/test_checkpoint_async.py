@@ -182,7 +182,7 @@ def test_sigterm_waits_for_the_write_in_flight_then_saves_and_stops(tmp_path):
 def test_a_failed_background_write_is_one_line_and_keeps_the_previous_checkpoint(tiny, tmp_path):
     """No file may grow past 20 kB (the kernel refuses the write, as a full disk does): step 6's shards cannot be
     written on the writer's thread; the run stops at the next step with the line a blocking save gives."""
-    from gpudl.training.recipe import train
+    from gpudl.run.recipe import train
 
     saved = train(tiny("run.name=ok", "train.max_steps=4", "checkpoint.every=2", "checkpoint.export=false"),
                   console=Console(quiet=True)).run_dir

@@ -119,7 +119,7 @@ def test_tensorboard_events_when_installed(tiny):
     from rich.console import Console
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from gpudl.training.recipe import train
+    from gpudl.run.recipe import train
 
     run = train(tiny("run.name=tb", "log.tensorboard=true"), console=Console(quiet=True)).run_dir
     events = EventAccumulator(str(run / "tb"))

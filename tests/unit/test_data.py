@@ -6,10 +6,10 @@ from gpudl import models
 from gpudl.config import DataConfig
 from gpudl.data import DeviceLoader, build_data
 from gpudl.data.datasets import DatasetBatches, IterableBatches, as_batch_source
-from gpudl.data.folder import FolderEvalBatches
-from gpudl.data.folder_index import index_folder
-from gpudl.data.images import SHAPES, ImageBatches, generated_shapes, load_images
-from gpudl.data.text import TextBatches, TokenStream, byte_corpus, stdlib_sources
+from gpudl.data.images.folder import FolderEvalBatches
+from gpudl.data.images.index import index_folder
+from gpudl.data.images.in_memory import SHAPES, ImageBatches, generated_shapes, load_images
+from gpudl.data.text.streams import TextBatches, TokenStream, byte_corpus, stdlib_sources
 from gpudl.errors import UserError
 
 GPT = models.resolve("gpt-tiny", {"block_size": 16})
@@ -177,7 +177,7 @@ def test_user_data_sources():
 def test_normalized_pixels_match_the_formula_in_the_pixels_layout(shape, channels_last):
     # The CPU path takes two passes (and tiles the constants along channels-last rows): it must
     # give the formula's floats, in double precision, and keep the layout the convolutions want.
-    from gpudl.data.images import normalized
+    from gpudl.data.images.in_memory import normalized
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
     if channels_last:

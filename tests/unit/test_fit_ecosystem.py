@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 import gpudl
 from gpudl.data import DeviceLoader
 from gpudl.data.datasets import IterableBatches, as_batch_source
-from gpudl.data.images import SHAPES, generated_shapes
+from gpudl.data.images.in_memory import SHAPES, generated_shapes
 
 V, T = 16, 16  # vocabulary and sequence length of the toy GPT-2
 # fp32 on the CPU so that fit and the plain loop compute the same numbers; a loss every step.

@@ -13,8 +13,8 @@ import gpudl
 from gpudl.config import with_sets
 from gpudl.device import cpu_info
 from gpudl.memory.trace import trace_module
-from gpudl.training.fit import _config
-from gpudl.training.session import Session
+from gpudl.run.fit import _config
+from gpudl.distributed.session import Session
 
 
 class Residual(torch.nn.Module):

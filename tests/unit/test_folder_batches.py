@@ -10,10 +10,10 @@ import torch
 
 from gpudl.data import DeviceLoader, build_data
 from gpudl.config import DataConfig
-from gpudl.data.augment import DRAWS, crop_draws, random_resized_crop
-from gpudl.data.folder import FolderBatches, FolderEvalBatches
-from gpudl.data.folder_index import index_folder
-from gpudl.data.sample_folder import write_jpeg_folder
+from gpudl.data.images.augment import DRAWS, crop_draws, random_resized_crop
+from gpudl.data.images.folder import FolderBatches, FolderEvalBatches
+from gpudl.data.images.index import index_folder
+from jpeg_folder import write_jpeg_folder
 from gpudl.errors import UserError
 from gpudl.models import resolve
 

@@ -31,7 +31,7 @@ from gpudl.errors import UserError  # noqa: E402
 from gpudl.training.job import Task, build_job  # noqa: E402
 from gpudl.training.loop import NoEvents, TrainState, train_loop  # noqa: E402
 from gpudl.training.precision import make_precision  # noqa: E402
-from gpudl.training.session import Session  # noqa: E402
+from gpudl.distributed.session import Session  # noqa: E402
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
 BLOCK = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.fc", "mlp.proj")  # models/gpt.py's linears per block

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpudl.data.folder import FolderBatches, FolderEvalBatches
-from gpudl.data.folder_index import index_folder
-from gpudl.data.gpu_decode import DeviceDecoded, nvjpeg, on_device_decoding
-from gpudl.data.sample_folder import write_jpeg_folder
+from gpudl.data.images.folder import FolderBatches, FolderEvalBatches
+from gpudl.data.images.index import index_folder
+from gpudl.data.images.gpu_decode import DeviceDecoded, nvjpeg, on_device_decoding
+from jpeg_folder import write_jpeg_folder
 from gpudl.errors import UserError
 
 pytest.importorskip("PIL")

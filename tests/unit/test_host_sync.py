@@ -19,7 +19,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import gpudl.training.job as job_module
-import gpudl.training.runner as runner
+import gpudl.run.runner as runner
 from gpudl.training.finite import DeviceGuard, HostGuard
 
 # Tensor methods that copy a device value to the host (and so wait for the device).
@@ -85,7 +85,7 @@ def _run(tiny, monkeypatch, guard=None, device="cpu") -> list[int]:
     monkeypatch.setattr(runner, "train_loop", counted_loop)
     if guard is not None:
         monkeypatch.setattr(job_module, "finite_guard", lambda device, optimizer: guard())
-    from gpudl.training.recipe import train
+    from gpudl.run.recipe import train
     from rich.console import Console
     cfg = tiny("train.max_steps=12", "train.log_every=4", "train.eval_every=12", "checkpoint.every=0",
                "sample.tokens=0", f"run.device={device}")

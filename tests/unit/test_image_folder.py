@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from gpudl.data.augment import centre_crop
-from gpudl.data.decode import MAX_PIXELS, BadImage, BadImages, decode_crop, read_file
-from gpudl.data.folder import FolderBatches
-from gpudl.data.folder_index import index_folder
-from gpudl.data.sample_folder import write_jpeg_folder
+from gpudl.data.images.augment import centre_crop
+from gpudl.data.images.decode import MAX_PIXELS, BadImage, BadImages, decode_crop, read_file
+from gpudl.data.images.folder import FolderBatches
+from gpudl.data.images.index import index_folder
+from jpeg_folder import write_jpeg_folder
 from gpudl.errors import UserError
 
 PIL = pytest.importorskip("PIL")

@@ -6,7 +6,7 @@ import pytest
 
 from gpudl.cli import main
 from gpudl.distributed import env as denv
-from gpudl.distributed.launch import LaunchArgs, from_slurm, torchrun_argv, wait_for_endpoint
+from gpudl.run.launch import LaunchArgs, from_slurm, torchrun_argv, wait_for_endpoint
 from gpudl.distributed.mesh import ParallelDims
 from gpudl.errors import UserError
 

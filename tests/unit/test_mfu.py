@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 
 import gpudl
-import gpudl.training.session as session_module
+import gpudl.distributed.session as session_module
 from gpudl.bench import Timing, run_plan, write_report
 from gpudl.bench.suite import make_plan
 from gpudl.device import cpu_info

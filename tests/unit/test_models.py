@@ -142,7 +142,7 @@ def test_flop_counting_leaves_batchnorm_statistics_alone():
 
 
 def test_gpt_generate_extends_the_sequence(device):
-    from gpudl.models.generate import sample_text
+    from gpudl.run.sample import sample_text
 
     m = models.build(models.resolve("gpt-tiny", {"n_layer": 1}), torch.device(device))
     text = sample_text(m, "def ", 20, seed=3)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from gpudl import models
 from gpudl.config import ParallelConfig, TrainConfig
 from gpudl.device import cpu_info
-from gpudl.training.session import Session
+from gpudl.distributed.session import Session
 from gpudl.distributed.parallelize import apply_activation_checkpointing, checkpoint_units, compile_wanted, parallelize
 from gpudl.errors import UserError
 

@@ -108,7 +108,7 @@ def test_schedules_a_pipeline_cannot_run_are_refused(cfg, batch, precision, mess
 def test_a_run_refuses_what_no_pipeline_can_run_before_counting_processes(tiny):
     from rich.console import Console
 
-    from gpudl.training.recipe import train
+    from gpudl.run.recipe import train
 
     with pytest.raises(UserError, match="set --set model.tie_embeddings=false"):  # not "needs 2 processes"
         train(tiny("parallel.pp=2"), console=Console(quiet=True))

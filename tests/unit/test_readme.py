@@ -165,7 +165,7 @@ README_PYTHON = blocks(README, "python")
 @pytest.mark.parametrize("line, body", [(n, b) for n, _, b in README_PYTHON], ids=[f"L{n}" for n, _, _ in README_PYTHON])
 def test_each_readme_python_block_compiles_and_names_what_exists(line, body):
     tree = ast.parse(compile(body, f"README.md:{line}", "exec", flags=ast.PyCF_ONLY_AST))
-    from gpudl.training.fit import fit  # gpudl.fit passes its **options on to this one
+    from gpudl.run.fit import fit  # gpudl.fit passes its **options on to this one
 
     fit_keywords = set(inspect.signature(fit).parameters)
     for node in ast.walk(tree):

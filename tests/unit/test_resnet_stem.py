@@ -135,7 +135,7 @@ def test_a_run_announces_the_stem_and_its_export_and_checkpoint_rebuild_it(tmp_p
         "data.image_size=72", "data.kind=synthetic", "model.width=8", "train.batch_size=2", "train.max_steps=2",
         "train.eval_every=0", "train.eval_batches=1", "train.precision=fp32", "train.compile=false",
         "train.plan=off", "log.progress=false", "run.device=cpu", f"run.dir={tmp_path}", "run.name=stem"])
-    from gpudl.training.recipe import train
+    from gpudl.run.recipe import train
 
     console = Console(record=True, width=200)
     run = train(cfg, console=console).run_dir

@@ -20,7 +20,7 @@ from gpudl.checkpoint.files import verify
 from gpudl.cli import main
 from gpudl.config import load_config
 from gpudl.errors import UserError
-from gpudl.training.recipe import train
+from gpudl.run.recipe import train
 
 QUIET = Console(quiet=True)
 SETS = [a for item in TINY for a in ("--set", item)]
@@ -143,8 +143,8 @@ def test_a_window_of_skipped_steps_logs_nan_not_zero():
     from gpudl.device import cpu_info
     from gpudl.observe.metrics import Throughput
     from gpudl.training.loop import TrainState
-    from gpudl.training.monitor import Monitor
-    from gpudl.training.session import Session
+    from gpudl.run.monitor import Monitor
+    from gpudl.distributed.session import Session
 
     monitor = Monitor(session=Session(cpu_info()), train=TrainConfig(log_every=2, max_steps=4),
                       throughput=Throughput(1, 1, 1, 1.0))

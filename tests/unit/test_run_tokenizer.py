@@ -58,7 +58,7 @@ def test_the_sample_after_training_uses_the_runs_tokenizer(run, hf, tmp_path):
 
 def _evaluate(capsys, monkeypatch, run, bytes_per_token) -> dict:
     """`gpudl evaluate --json` in this process, its data saying `bytes_per_token`."""
-    import gpudl.training.trained as trained
+    import gpudl.run.trained as trained
 
     real = trained.load_trained
 

@@ -17,7 +17,7 @@ from gpudl import models
 from gpudl.checkpoint import complete_checkpoints
 from gpudl.errors import UserError
 from gpudl.training.loop import TrainState
-from gpudl.training.recipe import train
+from gpudl.run.recipe import train
 from gpudl.training.spikes import MIN_HISTORY, LossSpike, SpikeHistory, SpikeVeto
 
 QUIET = Console(quiet=True)

@@ -15,8 +15,8 @@ from conftest import TINY, run_cli
 from gpudl import models
 from gpudl.config import DataConfig
 from gpudl.data import build_data
-from gpudl.data.text_data import text_tokens
-from gpudl.data.text_sources import documents, find_corpus
+from gpudl.data.text.tokens import text_tokens
+from gpudl.data.text.sources import documents, find_corpus
 from gpudl.errors import UserError
 
 pa = pytest.importorskip("pyarrow")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpudl.data.loader import DeviceLoader
-from gpudl.data.text import TextBatches
+from gpudl.data.text.streams import TextBatches
 
 CPU = torch.device("cpu")
 

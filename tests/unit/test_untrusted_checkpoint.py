@@ -26,7 +26,7 @@ from gpudl.checkpoint.reader import MetadataUnpickler, read_metadata_file
 from gpudl.cli import main
 from gpudl.config import load_config
 from gpudl.errors import UserError
-from gpudl.training.recipe import train
+from gpudl.run.recipe import train
 
 COMMANDS = {
     "evaluate": lambda run: ["evaluate", str(run), "--batches", "1"],

@@ -31,7 +31,7 @@ from ..device.peak import datasheet_peak_flops, measured_peak_flops, peak_key
 from ..training.precision import make_precision
 from ..training.job import Task, build_job
 from ..training.loop import Job, NoEvents, TrainState, train_loop
-from ..training.session import Session
+from ..distributed.session import Session
 
 # The measured figures of a cell; a failed cell has each of them as None.
 FIGURES = ("step_times_s", "samples_per_s", "units_per_s", "samples_per_s_mean", "step_s_p50", "step_s_p90",

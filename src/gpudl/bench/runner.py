@@ -18,7 +18,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .. import __version__, models
+from .. import models
+from ..version import __version__
 from ..device import cpu_info
 from ..device.host import keep_freed_memory
 from ..device.peak import measured_peak_flops, peak_key, refresh_peaks

@@ -69,7 +69,7 @@ def _check_run_name(name: str | None) -> None:
 def load_config(source: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a recipe (path or shipped name; None: the embedded default) and apply `key=value` overrides."""
     data = _read_toml(source)
-    if isinstance(data.get("fit"), dict):  # written by gpudl.fit (training/fit_resume.py): no recipe rebuilds its model
+    if isinstance(data.get("fit"), dict):  # written by gpudl.fit (run/fit_resume.py): no recipe rebuilds its model
         raise UserError(f"{source} is the config of a gpudl.fit run, whose model is the user's own, not a recipe: "
                         f"continue it with gpudl.fit(model, train_data, resume=<its folder>)")
     return _with_overrides(data, overrides)

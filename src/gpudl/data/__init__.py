@@ -15,14 +15,14 @@ from pathlib import Path
 from ..config import DataConfig
 from ..errors import UserError
 from ..models import ModelSpec
-from .decode import BadImages
-from .folder import FolderBatches, FolderEvalBatches
-from .folder_index import index_folder
-from .images import ImageBatches, ImageEvalBatches, load_images
+from .images.decode import BadImages
+from .images.folder import FolderBatches, FolderEvalBatches
+from .images.index import index_folder
+from .images.in_memory import ImageBatches, ImageEvalBatches, load_images
 from .loader import Batch, BatchSource, DeviceLoader, first_batches, usable_cores
 from .synthetic import SyntheticImages, SyntheticTokens
-from .text import TextBatches, TokenStream
-from .text_data import text_tokens
+from .text.streams import TextBatches, TokenStream
+from .text.tokens import text_tokens
 from .tokenizer import Tokenizer
 
 NO_VAL = "data.val_fraction is 0: set it > 0 to hold out part of the data"

@@ -24,7 +24,7 @@ from .mesh import ParallelDims
 from .parts import Parallelized
 
 if TYPE_CHECKING:  # the session is built from distributed/'s pieces; only its type is needed here
-    from ..training.session import Session
+    from .session import Session
 
 
 def block_units(model: nn.Module) -> list[nn.Module]:
@@ -106,7 +106,7 @@ def apply_compile(model: nn.Module, mode: str | None = None) -> nn.Module:
 
 def compile_wanted(setting: bool | str, device_type: str) -> bool:
     """Whether the model is compiled at all. "auto" here is the rule for a job nobody timed (`gpudl plan`,
-    `gpudl bench`, a device `training/autotune.py` does not probe): on for CUDA and XPU where Triton is
+    `gpudl bench`, a device `run/autotune.py` does not probe): on for CUDA and XPU where Triton is
     present, off on the CPU, where compile time dominates short runs. Recipes and fit on a GPU replace
     "auto" by what the probe measured before they get here."""
     if setting == "auto":

@@ -14,7 +14,7 @@ from rich.console import Console
 from ..config import Config, with_sets
 from ..config.sizes import parse_size
 from ..errors import UserError
-from ..training.session import Session
+from ..distributed.session import Session
 from .plan import MARGIN, Machine, Plan, local_machine, plan, training_state_bytes
 
 
@@ -157,7 +157,7 @@ def _may_offload(cfg: Config, session: Session) -> bool:
 
 def _module_peak(module, loss_fn, example, cfg: Config, session: Session) -> int:
     """The device's predicted peak of the module's step; with CPU offload, as FSDP over one process on a
-    fake group of one made for the trace (the run makes its own real one: `training/session.py`)."""
+    fake group of one made for the trace (the run makes its own real one: `distributed/session.py`)."""
     from .offload import on_device
     from .trace import trace_module
 
@@ -168,7 +168,7 @@ def _module_peak(module, loss_fn, example, cfg: Config, session: Session) -> int
 
     from ..device import cpu_info
     from ..distributed.env import DistEnv
-    from ..training.session import plan_parallel
+    from ..distributed.session import plan_parallel
 
     from ..data.loader import map_tensors
 

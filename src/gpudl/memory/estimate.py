@@ -95,7 +95,7 @@ def traced_here(cfg: Config, world: int) -> Phases:
 
 def _one_process(cfg: Config, ddp: bool) -> Phases:
     from ..training.job import model_and_shapes
-    from ..training.session import Session
+    from ..distributed.session import Session
     from .trace import trace_step
 
     single = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp_replicate=1, dp_shard=1, tp=1,
@@ -108,7 +108,7 @@ def _as_rank_zero(cfg: Config, world: int) -> Phases:
     """Rank 0 of `world` processes; their collectives go to the default group, torch's fake one."""
     from ..distributed.env import DistEnv
     from ..training.job import model_and_shapes
-    from ..training.session import Session, plan_parallel
+    from ..distributed.session import Session, plan_parallel
     from .trace import trace_step
 
     session = Session(cpu_info(), env=DistEnv(0, world, 0, world))
@@ -123,7 +123,7 @@ def pipeline_here(cfg: Config, world: int) -> dict[str, int]:
     (`fake_jobs.py`): its stages are parallelized as rank 0's."""
     from ..distributed.env import DistEnv
     from ..training.job import model_and_shapes
-    from ..training.session import Session, plan_parallel
+    from ..distributed.session import Session, plan_parallel
     from .pipeline import rank_peaks
 
     session = None

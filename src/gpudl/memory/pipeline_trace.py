@@ -31,7 +31,7 @@ from ..config import Config
 from ..errors import UserError
 from ..data.loader import map_tensors
 from ..device import cpu_info
-from ..device.kernels import attention_kernel
+from ..training.kernels import attention_kernel
 from ..distributed.parallelize import apply_activation_checkpointing, checkpoint_mode, parallelize_stage
 from ..distributed.parts import clip_grad_norm
 from ..distributed.pipeline import StageLoss, split_model

@@ -37,7 +37,7 @@ from ..training.job import Task, build_job
 from ..training.loop import Job, clip_gradients, forward_backward
 from ..training.micro import micro_batches
 from ..training.precision import make_precision
-from ..training.session import Session
+from ..distributed.session import Session
 from .offload import OFFLOADED, in_the_update, offloads_to_host, on_device
 
 # What holds the bytes, as gpudl reports it; torch's trackers name them their own way. "host": what

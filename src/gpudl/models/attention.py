@@ -1,5 +1,5 @@
 """Causal attention for the models: SDPA's own kernel choice by default, and the kernels gpudl
-may choose between on the CPU instead (`gpudl.device.kernels` measures which is fastest).
+may choose between on the CPU instead (`gpudl.training.kernels` measures which is fastest).
 
 A model calls its attention through an attribute (`kernel`) that `use_attention` sets; the model
 itself never measures anything.

@@ -48,7 +48,7 @@ class GPTConfig:
 
 class Attention(nn.Module):
     # The kernel attention runs on: SDPA's own choice unless `models.attention.use_attention` sets another
-    # (training on the CPU takes the one measured fastest: `gpudl.device.kernels`).
+    # (training on the CPU takes the one measured fastest: `gpudl.training.kernels`).
     attention_kernel_slot = True
     kernel = staticmethod(sdpa)
 

@@ -121,7 +121,7 @@ def serving_dtype(precision: str, info) -> torch.dtype:
 
 def _read(path, device: torch.device):
     """(spec, model with weights on `device`, source, the folder it lies in, the weights' metadata)."""
-    from ..training.trained import find_run
+    from ..run.trained import find_run
 
     if path is not None and Path(path).is_file():
         file = Path(path)

@@ -81,7 +81,7 @@ def _as_bytes(value) -> bytes:
 
 def server_metadata() -> dict:
     """The body of `GET /v2`: the server's name, version and protocol extensions."""
-    from gpudl import __version__
+    from ..version import __version__
 
     return {"name": "gpudl", "version": __version__, "extensions": ["binary_tensor_data"]}
 

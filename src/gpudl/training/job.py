@@ -8,7 +8,7 @@ schedule, so that whatever measures or plans a job measures the job that trains.
 >>> from gpudl.config import Config
 >>> from gpudl.device import cpu_info
 >>> from gpudl.training.precision import make_precision
->>> from gpudl.training.session import Session
+>>> from gpudl.distributed.session import Session
 >>> net = torch.nn.Linear(4, 2)
 >>> job = build_job(net, Config(), Session(cpu_info()), make_precision("fp32", cpu_info()),
 ...                 Task(loss_fn=lambda model, batch: model(batch[0]).square().mean()))
@@ -31,7 +31,7 @@ from ..data import Data, build_data
 from ..data.tokenizer import Tokenizer
 from ..data.loader import Batch
 from ..errors import UserError
-from ..device.kernels import attention_kernel
+from .kernels import attention_kernel
 from ..distributed.agree import any_rank
 from ..distributed.parallelize import parallelize
 from ..models.attention import use_attention
@@ -40,7 +40,7 @@ from .spikes import veto_for
 from .loop import Job, standard_micro_step
 from .optim import make_optimizer, make_scheduler
 from .precision import Precision
-from .session import Session
+from ..distributed.session import Session
 
 
 def model_and_data(cfg: Config, rank: int = 0, world: int = 1,

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import UserError
+from ...errors import UserError
 from .augment import Box
 
 # Pillow's pixels reach torch read-only (no copy); the resize only reads them. torch warns once of it.

@@ -26,11 +26,11 @@ from ..observe.sinks import ConsoleProgress, FileSink, TensorBoardSink, read_rec
     tensorboard_available
 from .budget import StepBudget
 from .interrupt import StopRequest
-from .finite import NonFiniteError
-from .loop import Job, TrainState, train_loop
+from ..training.finite import NonFiniteError
+from ..training.loop import Job, TrainState, train_loop
 from .monitor import Monitor, Saver
-from .session import Session
-from .spikes import SpikeLog, SpikeVeto
+from ..distributed.session import Session
+from ..training.spikes import SpikeLog, SpikeVeto
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..errors import UserError
+from ...errors import UserError
 
 SHAPES = ("disc", "square", "triangle", "ring", "cross", "bar")
 

@@ -23,10 +23,10 @@ from ..observe.metrics import Throughput, peak_memory_bytes
 from ..observe.sinks import ConsoleProgress
 from .budget import StepBudget
 from .interrupt import StopRequest
-from .loop import Job, TrainState
-from .micro import OutOfMemory
-from .session import Session
-from .spikes import LossSpike, SpikeLog
+from ..training.loop import Job, TrainState
+from ..training.micro import OutOfMemory
+from ..distributed.session import Session
+from ..training.spikes import LossSpike, SpikeLog
 
 SPIKES_SHOWN = 10  # loss spikes said on the console; all are recorded
 SPIKE_ACTION = {"warn": "its update was applied", "skip": "its update was skipped", "stop": "the run stops"}

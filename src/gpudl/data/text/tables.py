@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import UserError
+from ...errors import UserError
 
 
 def _pyarrow(path: Path, what: str):

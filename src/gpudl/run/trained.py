@@ -14,7 +14,7 @@ from ..data import Data
 from ..data.tokenizer import run_tokenizer
 from ..device import DeviceInfo, detect
 from ..errors import UserError
-from .job import model_and_data
+from ..training.job import model_and_data
 
 
 @dataclass

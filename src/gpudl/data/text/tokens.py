@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import DataConfig
-from ..errors import UserError
+from ...config import DataConfig
+from ...errors import UserError
 from .bpe import bpe_tokenizer
-from .text import TokenStream, byte_file
-from .text_sources import Corpus, find_corpus
-from .tokenise import token_file
-from .tokenizer import ByteTokenizer, FileTokenizer, Tokenizer
+from .streams import TokenStream, byte_file
+from .sources import Corpus, find_corpus
+from .token_file import token_file
+from ..tokenizer import ByteTokenizer, FileTokenizer, Tokenizer
 
 NAMED = ("auto", "bytes", "bpe")
 

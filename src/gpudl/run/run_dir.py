@@ -21,8 +21,8 @@ from ..checkpoint.streams import rng_note
 from ..config import Config
 from ..data.tokenizer import Tokenizer, run_tokenizer
 from ..errors import UserError
-from .loop import Job, TrainState
-from .session import Session
+from ..training.loop import Job, TrainState
+from ..distributed.session import Session
 
 # A run samples from the whole model on rank 0's device only if it takes at most this share of it.
 SAMPLE_MEMORY_SHARE = 0.25
@@ -141,7 +141,7 @@ def _export(model: nn.Module, spec: models.ModelSpec, run_dir: Path, console: Co
 
 def _sample(model: nn.Module, cfg: Config, session: Session, run_dir: Path, console: Console,
             tokenizer: Tokenizer) -> None:
-    from ..models.generate import UnknownToken, sample_text
+    from .sample import UnknownToken, sample_text
 
     device = session.device
     size = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from ..config import Config
 from ..device import synchronize
 from ..observe.sinks import ConsoleProgress
-from .loop import Job, TrainState
-from .optim import set_total_steps
-from .session import Session
+from ..training.loop import Job, TrainState
+from ..training.optim import set_total_steps
+from ..distributed.session import Session
 
 # Steps timed before deciding, after this process's first step (allocation, kernel choices: not timed).
 TIMED_STEPS = 19

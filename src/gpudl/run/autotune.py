@@ -39,10 +39,10 @@ from ..cache import cache_dir, read_json, write_json
 from ..config import Config, TrainConfig
 from ..device import synchronize
 from ..distributed.parallelize import CUDA_GRAPHS, compile_wanted, cuda_graphs_blocker
-from .loop import Job, NoEvents, TrainState, train_loop
-from .micro import release
-from .precision import Precision, make_precision
-from .session import Session
+from ..training.loop import Job, NoEvents, TrainState, train_loop
+from ..training.micro import release
+from ..training.precision import Precision, make_precision
+from ..distributed.session import Session
 
 PROBED_TYPES = ("cuda", "xpu")   # torch's device types of the GPUs probed (ROCm's is "cuda")
 MARGIN = 0.05                    # a more elaborate candidate must be this much faster: step times on a GPU vary ~1-3%

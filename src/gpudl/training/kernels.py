@@ -34,8 +34,8 @@ import torch
 from torch.torch_version import TorchVersion
 
 from ..models.attention import CPU_KERNELS, Kernel, sdpa
-from .discovery import DeviceInfo, cpu_info
-from .peak import cached_measurements
+from ..device.discovery import DeviceInfo, cpu_info
+from ..device.peak import cached_measurements
 
 T = TypeVar("T")
 SCORES_LIMIT = 256 * 2**20  # bytes of fp32 scores beyond which only flash is used (the others store them)

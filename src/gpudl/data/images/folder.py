@@ -18,12 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from ..errors import UserError
+from ...errors import UserError
 from .augment import Box, centre_crop, crop_draws, flips, random_resized_crop
 from .decode import BadImage, BadImages, decode_crop, read_file
-from .folder_index import FolderIndex
-from .images import EpochOrder, _Normalizing
-from .staging import one_torch_thread
+from .index import FolderIndex
+from .in_memory import EpochOrder, _Normalizing
+from ..staging import one_torch_thread
 
 # ImageNet's per-channel statistics: what torchvision's and timm's pretrained models expect, and
 # close enough for any photographs; a folder of millions of files is not read twice to measure its own.

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import UserError
-from .text_tables import arrow_documents, hf_dataset_files, parquet_documents
+from ...errors import UserError
+from .tables import arrow_documents, hf_dataset_files, parquet_documents
 
 # Text by suffix: prose, markup and source code. A .json file is one structured value, not text
 # (its records go in a .jsonl file); anything else (images, archives, .arrow outside a dataset) is skipped.

@@ -31,12 +31,12 @@ from ..memory.auto import planned, shard_wanted
 from ..memory.limit import enforce_memory_limit
 from ..observe.flops import count_training_flops, meta_batch
 from .autotune import MakeJob, Tuned, job_identity, tune
-from .job import Task, build_job, model_and_data
-from .loop import Job, OutOfMemoryAtOneRow, TrainState
-from .precision import Precision, make_precision
+from ..training.job import Task, build_job, model_and_data
+from ..training.loop import Job, OutOfMemoryAtOneRow, TrainState
+from ..training.precision import Precision, make_precision
 from .run_dir import after_training, keep_tokenizer, kept_tokenizer, resolve_run_dir, restore_job
 from .runner import Execution, Workload, background_saves, execute
-from .session import Session, plan_parallel, start_session
+from ..distributed.session import Session, plan_parallel, start_session
 
 
 @dataclass
@@ -106,7 +106,7 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
     `resume="auto"` continues run `run.name` if it has a checkpoint and starts it otherwise
     (what a restarted multi-process job does). `probe_on_cpu` (internal, for tests: no config key or
     option reaches it): time precision and compile candidates on the CPU too, as on a GPU
-    (`training/autotune.py`).
+    (`run/autotune.py`).
 
     >>> from gpudl.config import load_config
     >>> cfg = load_config(None, ["train.max_steps=2", "run.dir=/tmp/gpudl-doctest", "sample.tokens=0"])

@@ -23,9 +23,9 @@ from ..checkpoint.files import read_json
 from ..config import Config
 from ..config.settings import dump_toml, to_dict
 from ..errors import UserError
-from .loop import Job, TrainState
+from ..training.loop import Job, TrainState
 from .run_dir import prepare_run_dir, restore_job
-from .session import Session
+from ..distributed.session import Session
 
 # What a resumed fit must repeat, in the words of fit's keywords.
 MUST_MATCH = ("batch_size", "grad_accum", "seed", "processes", "data")

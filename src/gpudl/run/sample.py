@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..data.tokenizer import ByteTokenizer, Tokenizer
-from .gpt import GPT, generate
+from ..models.gpt import GPT, generate
 
 
 class UnknownToken(ValueError):

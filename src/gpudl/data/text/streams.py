@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import UserError
-from ..cache import atomic_file, cache_dir
-from .text_sources import Corpus, file_fingerprint, find_corpus, stdlib_sources
+from ...errors import UserError
+from ...cache import atomic_file, cache_dir
+from .sources import Corpus, file_fingerprint, find_corpus, stdlib_sources
 
 # Bump when the way files become a token file changes, so cached corpora are rebuilt.
 CORPUS_FORMAT = 1

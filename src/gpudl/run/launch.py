@@ -27,9 +27,9 @@ from ..checkpoint.files import complete_checkpoints, step_of
 from ..config import Config
 from ..device import available, detect
 from ..errors import UserError
-from .env import _first_slurm_host
-from .parallelize import check_compile
-from .preflight import check_job
+from ..distributed.env import _first_slurm_host
+from ..distributed.parallelize import check_compile
+from ..distributed.preflight import check_job
 
 DEFAULT_PORT = 29500
 # How long a node waits for the rendezvous endpoint to answer before giving up with a clear error.

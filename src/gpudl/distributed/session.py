@@ -17,10 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import ParallelConfig, RunConfig
 from ..device import DeviceInfo, detect
-from ..distributed.agree import broadcast_json
-from ..distributed.env import DistEnv, check_devices, die_with_agent, init_process_group, join_alone, read_env
-from ..distributed.mesh import ParallelDims
-from ..distributed.watch import StepWatch
+from .agree import broadcast_json
+from .env import DistEnv, check_devices, die_with_agent, init_process_group, join_alone, read_env
+from .mesh import ParallelDims
+from .watch import StepWatch
 from ..device.accel import use_device
 from ..device.host import keep_freed_memory
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from ..cache import cache_dir, write_atomically
-from ..errors import UserError
-from .text_cache import WorkBar, cache_key, cache_lock
-from .text_sources import Corpus
-from .tokenise import split_byte, text_size, training_texts
-from .tokenizer import EOT, FileTokenizer
+from ...cache import cache_dir, write_atomically
+from ...errors import UserError
+from .cache import WorkBar, cache_key, cache_lock
+from .sources import Corpus
+from .token_file import split_byte, text_size, training_texts
+from ..tokenizer import EOT, FileTokenizer
 
 BPE_FORMAT = 1   # bump when the training below changes, so cached tokenizers are retrained
 SMALLEST = 256 + 2   # the bytes, the end-of-text token and one merge

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cache import cache_dir
+from gpudl.cache import cache_dir
 
 FORMAT = 1  # bump when the pictures change, so cached folders are made anew
 

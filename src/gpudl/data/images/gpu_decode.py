@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..errors import UserError
+from ...errors import UserError
 from .decode import MAX_PIXELS, BadImage, read_file
-from .images import _Normalizing
+from .in_memory import _Normalizing
 
 Decoder = Callable[[list[torch.Tensor]], list[torch.Tensor]]  # file bytes -> (3, H, W) uint8 on the device
 

@@ -36,15 +36,15 @@ from ..memory.limit import enforce_memory_limit
 from .. import models
 from ..observe.flops import count_training_flops, meta_batch
 from .autotune import MakeJob, job_identity, tune
-from .job import Task, build_job
-from .loop import Job, TrainState
-from .micro import micro_batches, rows
+from ..training.job import Task, build_job
+from ..training.loop import Job, TrainState
+from ..training.micro import micro_batches, rows
 from .fit_loss import eval_fn_for, loss_fn_for
 from .fit_resume import (FitRun, check_same_run, checkpointer, fit_table, module_fingerprint, resolve_fit_run,
                          restore, say_stopped, write_config)
-from .precision import make_precision
+from ..training.precision import make_precision
 from .runner import Execution, Workload, background_saves, execute
-from .session import Session, plan_parallel, start_session
+from ..distributed.session import Session, plan_parallel, start_session
 
 # The sections of a run's config that fit's keywords fill in.
 SECTIONS = {"train": TrainConfig, "optim": OptimConfig, "run": RunConfig, "log": LogConfig}

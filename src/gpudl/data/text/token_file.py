@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cache import atomic_file, cache_dir, write_atomically
-from ..errors import UserError
-from .text_cache import WorkBar, cache_key, cache_lock
-from .text_sources import Corpus, documents
-from .tokenizer import FileTokenizer, Tokenizer
+from ...cache import atomic_file, cache_dir, write_atomically
+from ...errors import UserError
+from .cache import WorkBar, cache_key, cache_lock
+from .sources import Corpus, documents
+from ..tokenizer import FileTokenizer, Tokenizer
 
 FORMAT = 1              # bump when the way documents become a token file changes
 CHUNK_BYTES = 1 << 20   # text per work item: big enough that a worker's round trip is noise
@@ -144,7 +144,7 @@ def _write(corpus, tokenizer, val_fraction, out, dtype, show, workers, parallel_
     with_eot = tokenizer.eot_id is not None
     docs, n_bytes = text_size(corpus, with_eot)
     if workers is None:
-        from .loader import usable_cores
+        from ..loader import usable_cores
         workers = usable_cores()
     pool = workers if n_bytes >= parallel_from and isinstance(tokenizer, FileTokenizer) and workers > 1 else 0
     what = f"Tokenising {n_bytes / 1e6:.1f} MB of text ({_name(tokenizer)}, " \

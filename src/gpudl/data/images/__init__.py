@@ -1,0 +1,1 @@
+"""Images: held in memory, or a folder streamed, decoded and augmented."""

@@ -1,0 +1,1 @@
+"""Text as people have it, to token files a language model trains on."""
