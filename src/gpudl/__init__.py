@@ -1,58 +1,50 @@
 """gpudl: train CNNs and Transformers as fast as your hardware allows, on any accelerator or the CPU.
 
+    gpudl.fit(model, data, loss=...)    any nn.Module (yours, Hugging Face's, timm's) -> FitResult
+    gpudl.train(gpudl.load_config(...)) a recipe that ships (gpt-tiny ... gpt-1b, resnet18 ... 152) -> RunResult
+    gpudl.plan(cfg, target="h100-80gb") will it fit, and the fastest layout that does -> Plan
+    gpudl.detect()                      the device a run would take -> DeviceInfo
+
+`fit`, `train` and `plan` are the real functions (their signatures and docstrings are theirs), imported
+on first use so that `import gpudl` stays light. docs/python.md shows them at work.
+
 >>> import gpudl
 >>> cfg = gpudl.load_config(None, ["train.max_steps=10"])
 >>> cfg.model.name
 'gpt-tiny'
 """
 
-from .config import Config, load_config
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from .config import Config, ParallelConfig, load_config
 from .device import DeviceInfo, detect
 from .errors import UserError
-
 from .version import __version__
 
+if TYPE_CHECKING:  # what editors and type checkers see; at run time `__getattr__` imports them when first asked
+    from .memory.plan import Plan
+    from .run.fit import FitResult, Metrics, fit
+    from .run.plan import plan
+    from .run.recipe import RunResult, train
 
-def train(cfg: Config, resume=None, console=None):
-    """Train the model a config describes; `resume`: a run folder to continue (`gpudl.run.recipe.train`).
+# public name -> the module that defines it (imported on first use)
+_LAZY = {"fit": "run.fit", "FitResult": "run.fit", "Metrics": "run.fit", "train": "run.recipe",
+         "RunResult": "run.recipe", "plan": "run.plan", "Plan": "memory.plan"}
 
-    >>> result = gpudl.train(gpudl.load_config("gpt-tiny", ["train.max_steps=20"]))  # doctest: +SKIP
-    """
-    from .run.recipe import train as _train
-
-    return _train(cfg, resume=resume, console=console)
-
-
-def fit(model, train_data, loss=None, **options):
-    """Train any nn.Module on the best device (`gpudl.run.fit.fit` lists the options).
-
-    >>> result = gpudl.fit(torch.nn.Linear(8, 2), (x, y), loss=F.cross_entropy, max_steps=500)  # doctest: +SKIP
-    """
-    from .run.fit import fit as _fit
-
-    return _fit(model, train_data, loss, **options)
+__all__ = ["Config", "DeviceInfo", "FitResult", "Metrics", "ParallelConfig", "Plan", "RunResult", "UserError",
+           "__version__", "detect", "fit", "load_config", "plan", "train"]
 
 
-def plan(cfg: Config | None = None, *, target: str | None = None, nproc_per_node: int = 1, nnodes: int = 1,
-         memory_limit: str | int | None = None, device: str = "auto"):
-    """Will this job fit, and what is the fastest way to make it fit? (`gpudl.memory.plan.plan`)
-
-    Traces one training step per candidate layout on fake tensors (nothing is allocated) for
-    this machine's device (`device`), a named GPU (`target`, e.g. "a100-40gb"), or any
-    `memory_limit` per device ("12GiB" or bytes). Returns the `Plan`: its `candidates` (each with
-    its `estimate.parts` and why it was rejected) and the `winner`, whose `sets` apply it.
-
-    >>> p = gpudl.plan(gpudl.load_config("gpt2-124m"), target="a100-40gb", nproc_per_node=8)  # doctest: +SKIP
-    >>> p.winner.sets  # doctest: +SKIP
-    """
-    from .config.sizes import parse_size
-    from .memory.plan import local_machine, plan as _plan, target_machine
-
-    cfg = cfg if cfg is not None else load_config(None)
-    limit = parse_size(memory_limit) if isinstance(memory_limit, str) else memory_limit
-    machine = target_machine(target, nproc_per_node, nnodes, limit) if target else \
-        local_machine(device, nproc_per_node, nnodes, limit)
-    return _plan(cfg, machine)
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'gpudl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value  # asked once: later lookups do not come back here
+    return value
 
 
-__all__ = ["fit", "plan", "Config", "DeviceInfo", "UserError", "detect", "load_config", "train", "__version__"]
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -59,14 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "(train.plan)")
     p.add_argument("--memory-limit", metavar="SIZE", help="memory per device the run may use, e.g. 12GiB: enforced "
                                                           "and planned for (train.memory_limit)")
+    p.add_argument("--print-config", action="store_true", help="print the settings the run would use (the recipe "
+                                                                "with every --set), as TOML, and exit without training")
     _launch_args(p)
 
     p = sub.add_parser("generate", parents=[common], help="sample text from a trained GPT")
     p.add_argument("run_dir", nargs="?", help="run folder (default: the newest under runs/)")
     p.add_argument("--prompt", default="def ", help="text to continue")
-    p.add_argument("--tokens", type=int, default=300, help="bytes to generate")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--tokens", type=int, default=300,
+                   help="tokens to generate (bytes for a byte-level run such as gpt-tiny; BPE tokens where the "
+                        "run kept a tokenizer.json)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (the likeliest token each time); "
+                                                                    "higher: more varied")
+    p.add_argument("--top-k", type=int, default=40, help="draw from the k likeliest tokens only (0: all)")
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("evaluate", parents=[common], help="validation loss (and accuracy) of a trained run")
@@ -86,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _serve_parser(sub, common) -> None:
     p = sub.add_parser("serve", parents=[common], help="answer inference requests over HTTP (Open Inference "
                                                         "Protocol v2; OpenAI API for GPT models)")
-    p.add_argument("model", nargs="?", help="a run folder or a folder `gpudl export` wrote (default: the newest run)")
+    p.add_argument("model", nargs="?", help="a run folder, a folder `gpudl export` wrote, or a .safetensors file "
+                                            "`gpudl export --out` wrote (default: the newest run under runs/)")
     p.add_argument("--precision", help="auto (bf16 where the device has it, else fp32) | fp32 | bf16 | fp16")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (anything but loopback needs --api-key)")
     p.add_argument("--port", type=int, default=8000)
@@ -102,10 +108,12 @@ def _serve_parser(sub, common) -> None:
 
 
 def _plan_parser(sub) -> None:
+    from .device.specs import TARGETS  # the planner's table, so the help lists every GPU it knows and no other
+
     p = sub.add_parser("plan", parents=[_common()], help="will it fit? every layout's predicted memory and "
                                                           "step time, and the fastest that fits")
     _config_args(p)
-    p.add_argument("--target", metavar="GPU", help="plan for a GPU that is not here (e.g. a100-40gb, h100-80gb)")
+    p.add_argument("--target", metavar="GPU", help=f"plan for a GPU that is not here: {', '.join(TARGETS)}")
     p.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="devices per machine")
     p.add_argument("--nnodes", type=int, default=1, help="machines")
     p.add_argument("--memory-limit", metavar="SIZE", help="plan for this much memory per device (e.g. 12GiB)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -76,12 +77,23 @@ def train_config(args):
     return cfg
 
 
+def print_config(cfg) -> int:
+    """`gpudl train --print-config`: the effective settings as TOML on stdout, in the run folder's config.toml
+    format, with `auto` still undecided; the model's own fields are checked first, as a run checks them.
+    Written plainly: rich would take `[run]` for markup."""
+    models.from_config(cfg)
+    sys.stdout.write(cfg.to_toml())
+    return 0
+
+
 def cmd_train(args, console: Console) -> int:
     import os
 
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise UserError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}: e.g. --nproc-per-node 2")
     cfg = train_config(args)
+    if args.print_config:
+        return print_config(cfg)
     if "RANK" not in os.environ and (args.nproc_per_node or args.nnodes > 1 or "SLURM_NNODES" in os.environ):
         from .run.launch import launch_training
 
@@ -103,8 +115,9 @@ def cmd_generate(args, console: Console) -> int:
     t = load_trained(find_run(args.run_dir), args.device or "auto")
     if not t.spec.is_language_model:
         raise UserError(f"{t.run_dir} trained {t.spec.name}, not a language model: generate needs a GPT run")
-    if args.tokens < 1 or args.temperature <= 0 or args.top_k < 0:
-        raise UserError("--tokens must be >= 1, --temperature > 0 and --top-k >= 0")
+    if args.tokens < 1 or not args.temperature >= 0 or args.top_k < 0:  # `not >=`: NaN is refused too
+        raise UserError(f"--tokens must be >= 1, --temperature >= 0 (0: greedy) and --top-k >= 0, got "
+                        f"{args.tokens}, {args.temperature:g} and {args.top_k}")
     tokenizer = run_tokenizer(t.run_dir)
     try:
         text = sample_text(t.model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed, tokenizer)
@@ -128,7 +141,7 @@ def bits_per_byte(loss: float, data) -> float | None:
 
 def cmd_evaluate(args, console: Console) -> int:
     from .data import first_batches
-    from .run.recipe import eval_fn_for
+    from .run.recipe import evaluation_for
     from .run.trained import find_run, load_trained
 
     t = load_trained(find_run(args.run_dir), args.device or "auto")
@@ -136,7 +149,7 @@ def cmd_evaluate(args, console: Console) -> int:
         raise UserError(f"{t.run_dir}'s data has no validation part ({t.data.no_val}), then train again")
     if args.batches < 1:
         raise UserError(f"--batches must be >= 1, got {args.batches}")
-    metric = eval_fn_for(t.spec)
+    metric = evaluation_for(t.spec, t.model)
     sums: dict[str, float] = {}
     samples = 0
     with torch.no_grad():
@@ -290,7 +303,7 @@ def cmd_report(args, console: Console) -> int:
     from .observe.report import report_run
     from .run.trained import find_run
 
-    written, notes = report_run(find_run(args.run_dir))
+    written, notes = report_run(find_run(args.run_dir, fit_runs=True))  # it reads metrics, not the model
     for note in notes:
         console.print(note, markup=False, highlight=False)
     console.print("Wrote " + ", ".join(str(p) for p in written))

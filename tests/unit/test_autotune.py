@@ -20,6 +20,7 @@ from rich.console import Console
 import gpudl.run.autotune as autotune
 import gpudl.training.job as job_module
 import gpudl.run.recipe as recipe
+import gpudl.run.stages as stages
 from conftest import TINY, run_cli
 from gpudl.config import Config, ParallelConfig, TrainConfig
 from gpudl.device import cpu_info
@@ -283,7 +284,7 @@ def _train_recording(tiny, monkeypatch, *sets, probe: bool):
 def test_the_probe_times_both_precisions_and_leaves_the_run_as_asked(tiny, monkeypatch, tmp_path):
     monkeypatch.setenv("GPUDL_CACHE_DIR", str(tmp_path / "cache"))
     cpu = dataclasses.replace(cpu_info(), bf16=True)  # bf16 autocast runs on any CPU, if slowly
-    monkeypatch.setattr(recipe, "start_session", lambda *a, **k: Session(cpu))
+    monkeypatch.setattr(stages, "start_session", lambda *a, **k: Session(cpu))
     probed_w, probed_losses, probed, said = _train_recording(tiny, monkeypatch, "train.precision=auto", probe=True)
     (times,) = json.loads((tmp_path / "cache" / "autotune.json").read_text()).values()
     assert set(times) == {"fp32|eager", "bf16-mixed|eager"} and all(t > 0 for t in times.values())

@@ -117,6 +117,9 @@ def test_a_checkpoint_of_another_model_is_refused(tiny, finished):
 def test_resume_without_a_checkpoint_says_so(tiny, tmp_path):
     empty = tmp_path / "runs" / "empty"
     empty.mkdir(parents=True)
+    with pytest.raises(UserError, match="is not a run folder"):
+        train(tiny(), resume=empty, console=QUIET)
+    (empty / "config.toml").write_text(tiny().to_toml())  # a run that stopped before its first save
     with pytest.raises(UserError, match="nothing to resume"):
         train(tiny(), resume=empty, console=QUIET)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torch import nn
+
 from .. import models
 from ..config import Config
 from ..config.sizes import parse_size
@@ -18,14 +20,14 @@ from .float8 import check_float8_layout
 from .mesh import ParallelDims
 
 
-def check_job(cfg: Config, world: int, precision_name: str) -> None:
-    """Refuse, in one line, a job whose model, degrees or data cannot run on `world` processes."""
-    spec = models.from_config(cfg)
+def check_job(cfg: Config, world: int, precision_name: str, model: nn.Module | None = None) -> None:
+    """Refuse, in one line, a job whose model, degrees or data cannot run on `world` processes.
+    `model`: the job's (a user's module in `fit`); by default the recipe's, built on the meta device."""
     p = cfg.parallel
     if precision_name == "fp8":
         check_float8_layout(p.tp)
     if p.tp > 1 or p.pp > 1:
-        meta = models.build_meta(spec)
+        meta = model if model is not None else models.build_meta(models.from_config(cfg))
         if p.tp > 1:
             from .tensor import check_tp
 

@@ -6,6 +6,7 @@ FSDP's CPU offload (a model larger than its one device), which FSDP runs over a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -23,6 +24,7 @@ from .mesh import ParallelDims
 from .watch import StepWatch
 from ..device.accel import use_device
 from ..device.host import keep_freed_memory
+from ..errors import UserError
 
 @dataclass
 class Session:
@@ -72,6 +74,19 @@ class Session:
     def agree(self, value):
         """Rank 0's `value` (plain data: JSON's types), on every rank."""
         return broadcast_json(value, self.control) if self.world > 1 else value
+
+    def refuse(self, decide: Callable[[], str | None]) -> None:
+        """Rank 0 decides whether the job cannot go on (`decide()`: the problem in words, or None) and
+        every rank raises that one UserError: each hears it, none is left to find a lost connection."""
+        problem = None
+        if self.is_writer:
+            try:
+                problem = decide()
+            except UserError as e:
+                problem = str(e)
+        problem = self.agree(problem)
+        if problem:
+            raise UserError(problem)
 
     def reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
         """Mean over data-parallel ranks (identity for one process). Gloo has no AVG: sum, then divide."""

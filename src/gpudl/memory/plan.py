@@ -124,6 +124,9 @@ class Candidate:
 
 @dataclass
 class Plan:
+    """What `gpudl.plan` found: every candidate layout of the job on the machine (each with its traced
+    `estimate` and, where it does not fit, why), and the `winner`: the fastest that fits (None: none)."""
+
     machine: Machine
     global_batch: int
     cfg: Config                             # the job as planned (precision and kernel as they will be there)

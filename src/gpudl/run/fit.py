@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,28 +22,26 @@ from rich.console import Console
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .. import models
+from ..checkpoint import Checkpointer
 from ..config import CheckpointConfig, Config, LogConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
 from ..config.settings import from_dict
-from ..data import DeviceLoader, first_batches
 from ..data.datasets import DatasetBatches, IterableBatches, as_batch_source, as_eval_batches
 from ..data.loader import Batch, map_tensors, tensors_in
+from ..distributed.session import Session, plan_parallel
 from ..errors import UserError
-from ..device.peak import measured_peak_flops, peak_key
-from ..distributed.parallelize import compile_wanted
 from ..memory.auto import plan_module, state_needs_sharding
-from ..memory.limit import enforce_memory_limit
-from .. import models
 from ..observe.flops import count_training_flops, meta_batch
-from .autotune import MakeJob, job_identity, tune
 from ..training.job import Task, build_job
-from ..training.loop import Job, TrainState
+from ..training.loop import Job
 from ..training.micro import micro_batches, rows
+from ..training.precision import Precision
+from .autotune import MakeJob, tune
 from .fit_loss import eval_fn_for, loss_fn_for
-from .fit_resume import (FitRun, check_same_run, checkpointer, fit_table, module_fingerprint, resolve_fit_run,
-                         restore, say_stopped, write_config)
-from ..training.precision import make_precision
-from .runner import Execution, Workload, background_saves, execute
-from ..distributed.session import Session, plan_parallel, start_session
+from .fit_resume import check_same_run, fit_table, fit_toml, module_fingerprint, restore, resume_call
+from .run_dir import FIT, RunFolder, resolve_run
+from .runner import Workload
+from .stages import Opened, Prepared, open_run, probe_jobs, run_prepared
 
 # The sections of a run's config that fit's keywords fill in.
 SECTIONS = {"train": TrainConfig, "optim": OptimConfig, "run": RunConfig, "log": LogConfig}
@@ -52,7 +49,8 @@ SECTIONS = {"train": TrainConfig, "optim": OptimConfig, "run": RunConfig, "log":
 
 @dataclass
 class Metrics:
-    """Headline figures of a `fit`: rates average the log windows after the first (warm-up)."""
+    """Headline figures of a `fit`: rates average the log windows after the first (warm-up); MFU is a
+    fraction (0.42 is 42%) of the device's peak FLOP/s at the run's precision."""
 
     steps: int
     final_loss: float
@@ -66,6 +64,9 @@ class Metrics:
 
 @dataclass
 class FitResult:
+    """What `fit` returns: the trained model, its headline `Metrics`, every metric record (dicts with
+    "kind" "train" or "eval", "step", "loss", throughput, ...) and the summary the console shows."""
+
     model: nn.Module
     metrics: Metrics
     records: list[dict]
@@ -163,42 +164,70 @@ def fit(model: nn.Module, train_data, loss: Callable | None = None, *, val_data=
         resume: str | Path | None = None, progress: bool = True, quiet: bool = False,
         parallel: ParallelConfig | None = None, memory_limit: str | int | None = None,
         plan: str = "off") -> FitResult:
-    """Train `model` on `train_data` and return it with its metrics.
+    """Train `model` on `train_data` on the best device here, and return it with its metrics.
 
-    `train_data`: a map-style Dataset, tensors (a tuple (inputs..., targets), or a dict of
-    columns), or any iterable of batches: a DataLoader (used as it is: its batch size wins over
-    `batch_size`), a list, a generator (read once: it must hold `max_steps * grad_accum` batches).
-    A batch is a tuple (inputs..., target) or a dict; tensors in them may be nested.
-    `loss(prediction, target)`: the prediction is the model's output, or its `logits` (a Hugging
-    Face ModelOutput, a dict) or first element; the target is a tuple's last element, a dict
-    batch's "labels" (the other keys are the model's keyword arguments). With `loss=None` the
-    model computes its own loss, returned as a tensor or as the `loss` of its output: a dict batch
-    is passed as keyword arguments, a tuple by position, except that its last element goes to
-    the model's `labels` argument when its forward has one (Hugging Face models do).
-    `val_data` (the same kinds, but not a generator: it is read at every evaluation; a dataset in
-    batches of `batch_size`) is evaluated every `eval_every` steps (0: only at the end), in eval
-    mode and without gradients: the mean loss over its samples, and what `metrics(prediction,
-    target)` returns (a dict of batch means, e.g. {"accuracy": (p.argmax(-1) == t).float().mean()}),
-    as "eval" records and as `val_<name>` in the summary. Every process evaluates all of it.
-    Metrics go to the console, and to `run_dir` (JSONL, CSV, plot, config.toml) when given: a new
-    folder, or an empty one, checkpointed at the end, every `checkpoint_every` steps (0: at the end
-    only) and when SIGINT or SIGTERM stops it (it then says how to resume, and returns with
-    `summary["stopped_by"]`). `resume=RUN_DIR` continues that run from its newest checkpoint (weights,
-    optimizer, schedule, loss scale, RNG, data position: on the CPU bit for bit as if never stopped)
-    with the same model, data, batch_size, grad_accum, seed and processes (what differs is named);
-    max_steps may grow, lr may change. A DataLoader is read again from its start to skip what the
-    run consumed, so its shuffling needs a generator of its own (`generator=torch.Generator()
-    .manual_seed(0)`); a generator cannot be read again and is refused. `resume="auto"` continues
-    `run_dir` when it holds a checkpoint and starts it otherwise (a script a preemptible job reruns).
-    Started by torchrun (or `gpudl train --nproc-per-node`), every process runs `fit` on the same model and data: each
-    trains on its own share of every batch (`batch_size` per process; an iterable's batches are dealt out in turn),
-    with DDP by default or as `parallel` says. `memory_limit` ("12GiB" or bytes, per device) is enforced; a step that
-    runs out of memory, under it or the device's own, is run again with half the micro-batch.
-    `activation_checkpointing`: True (or "full") recomputes each block's activations in backward, "selective" all but
-    its matmuls', attention's and convolutions' outputs. `plan="auto"` traces the model on fake tensors (nothing
-    allocated) and trains with the largest micro-batch that fits, checkpointing only if nothing fits without; the
-    samples per step are kept (one process or DDP). `precision`, `compile` "auto": on a GPU copies of the model are
-    timed, the fastest taken (fp32 or bf16-mixed; eager, compiled or CUDA graphs, `compile="reduce-overhead"`).
+    The step is the recipes' own (AdamW, warm-up then cosine to a tenth of `lr`, clipping, a guard
+    that skips non-finite steps); docs/python.md shows it with validation, checkpoints, resume,
+    several processes and a Hugging Face model.
+
+    Args:
+        model: any nn.Module; it is trained in place and returned in `FitResult.model`.
+        train_data: a map-style Dataset, tensors (a tuple (inputs..., targets) or a dict of columns),
+            or an iterable of batches: a DataLoader (its own batch size wins), a list, a generator
+            (read once: it must hold max_steps * grad_accum batches). A batch is a tuple
+            (inputs..., target) or a dict whose "labels" is the target; tensors may be nested.
+        loss: loss(prediction, target) -> scalar tensor. The prediction is the model's output, or
+            its `logits` (a Hugging Face ModelOutput, a dict) or first element. None: the model
+            computes its own loss (a tensor, or its output's `loss`); a dict batch goes in as
+            keyword arguments, a tuple by position, its last element as `labels=` where the
+            model's forward takes that argument (Hugging Face models do).
+        val_data: data of the same kinds (not a generator), evaluated every `eval_every` steps in
+            eval mode without gradients: its mean loss, as "eval" records and `val_loss`.
+        metrics: metrics(prediction, target) -> dict of batch means on `val_data`, e.g.
+            {"accuracy": (p.argmax(-1) == t).float().mean()}; reported as `val_<name>`.
+        max_steps: optimizer steps to train.
+        batch_size: samples per micro-batch and process (a dataset's or tensors'; a DataLoader's own
+            batch size is used as it is).
+        lr: the peak learning rate.
+        weight_decay: AdamW's, on matrices only (not on norms and biases).
+        warmup_steps: steps of linear warm-up before the cosine decay.
+        grad_accum: micro-batches accumulated into each step.
+        grad_clip: the global gradient norm is clipped to this (0: no clipping).
+        device: "auto" (the best accelerator, else the CPU), "cpu", "cuda", "cuda:1", "mps", "xpu".
+        precision: "auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-true" or "fp8"; "auto" on a
+            GPU times fp32 against bf16-mixed on a copy of the model and takes the faster.
+        compile: True, False, "auto" (timed on a GPU, as precision is) or "reduce-overhead" (CUDA
+            graphs).
+        activation_checkpointing: True or "full" recomputes each block's activations in backward;
+            "selective" all but its matmuls', attention's and convolutions' outputs.
+        log_every: steps between metric records (and progress lines).
+        eval_every: steps between evaluations of `val_data` (0: only at the end).
+        checkpoint_every: steps between checkpoints into `run_dir` (0: at the end only; a SIGINT or
+            SIGTERM also saves one, says how to resume and returns with summary["stopped_by"]).
+        seed: the seed of the initial RNG state, the data order and dropout.
+        run_dir: a new or empty folder for metrics (JSONL, CSV, plot), config.toml and checkpoints;
+            None: nothing is written.
+        resume: a run_dir to continue from its newest checkpoint (weights, optimizer, schedule, loss
+            scale, RNG, data position), with the same model, data, batch_size, grad_accum, seed and
+            processes (what differs is named); max_steps may grow, lr may change. A DataLoader is
+            read again from its start, so its shuffling needs its own generator. "auto": continue
+            `run_dir` if it holds a checkpoint, else start it (a script a preemptible job reruns).
+        progress: a live progress bar on the console.
+        quiet: print nothing.
+        parallel: the layout under torchrun (`ParallelConfig`: DDP by default; FSDP2 with
+            dp_shard, its CPU offload, and timeout_s, how long a collective may wait). Each process
+            trains on its share of every batch (`batch_size` per process).
+        memory_limit: "12GiB" or bytes, per device, enforced; a step that runs out of memory, under
+            it or the device's own, is run again with half the micro-batch.
+        plan: "auto" traces the model on fake tensors (nothing allocated) and trains with the
+            largest micro-batch that fits, checkpointing only if nothing fits without; the samples
+            per step are kept (one process or DDP). "off": as given.
+
+    Returns:
+        FitResult: the trained model, its `Metrics`, every metric record and the run's summary.
+
+    Raises:
+        UserError: an argument, the data or a resume that cannot work, in one line with the fix.
     """
     cfg = _config(parallel, checkpoint_every,
                   train={"max_steps": max_steps, "batch_size": batch_size, "grad_accum": grad_accum,
@@ -210,10 +239,13 @@ def fit(model: nn.Module, train_data, loss: Callable | None = None, *, val_data=
     _check_pairs(checkpoint_every, run_dir, resume, val_data, metrics)
     _check_trainable(model)
     user = _UserParts(model, train_data, loss, val_data, metrics, module_fingerprint(model))  # before it moves
-    console = Console(quiet=quiet)
-    session = start_session(cfg.run, console, offload=cfg.parallel.fsdp_cpu_offload)
-    console = console if session.is_writer else Console(quiet=True)
-    return _start(user, cfg, session, resolve_fit_run(run_dir, resume, session), console)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    def shard(cfg: Config, session: Session, prec: Precision) -> bool:
+        return state_needs_sharding(n_params, prec.param_dtype.itemsize, session, cfg)
+    with open_run(cfg, Console(quiet=quiet), shard=shard, model=model) as opened:
+        folder = resolve_run(Path(run_dir) if run_dir is not None else None, resume, opened.session, FIT)
+        return _fit(user, opened, folder)
 
 
 def _limit_text(memory_limit: str | int | None) -> str:
@@ -221,18 +253,6 @@ def _limit_text(memory_limit: str | int | None) -> str:
     if isinstance(memory_limit, int) and not isinstance(memory_limit, bool):
         return f"{memory_limit}B"
     return memory_limit or ""
-
-
-def _start(user: _UserParts, cfg: Config, session: Session, run: FitRun, console) -> FitResult:
-    """The layout, the peak for MFU and the memory limit, then the run."""
-    model = user.model
-    prec = make_precision(cfg.train.precision, session.device)
-    n_params = sum(p.numel() for p in model.parameters())
-    plan_parallel(session, cfg.parallel, state_needs_sharding(n_params, prec.param_dtype.itemsize, session, cfg))
-    measured_peak_flops(session.device, peak_key(prec.name))  # for MFU; measured now, not under a limit
-    compiled = compile_wanted(cfg.train.compile, session.device.type)
-    with enforce_memory_limit(session.device, cfg.train.memory_limit, compiled) as limit:
-        return _fit(user, cfg, session, prec, run, console, limit)
 
 
 @dataclass
@@ -251,6 +271,9 @@ def _check_pairs(checkpoint_every: int, run_dir, resume, val_data, metrics) -> N
     """Keywords that need another one."""
     if checkpoint_every and run_dir is None and resume is None:
         raise UserError(f"checkpoint_every={checkpoint_every} saves checkpoints into the run folder: pass run_dir= too")
+    if resume not in (None, "auto") and run_dir is not None and Path(run_dir).resolve() != Path(resume).resolve():
+        raise UserError(f"resume={str(resume)!r} and run_dir={str(run_dir)!r} name two folders: resume names the "
+                        f"run it continues, and writes there; pass resume= alone")
     if metrics is not None and val_data is None:
         raise UserError("metrics= are computed on the validation data: pass val_data= too")
 
@@ -284,7 +307,8 @@ def _planned(model, loss_fn, first, cfg: Config, session: Session, console, draw
     return cfg, {**drawing, "micro_batch": micro}
 
 
-def _fit(user: _UserParts, cfg: Config, session: Session, prec, run: FitRun, console, limit) -> FitResult:
+def _fit(user: _UserParts, opened: Opened, run: RunFolder) -> FitResult:
+    cfg, session, console = opened.cfg, opened.session, opened.console
     torch.manual_seed(cfg.run.seed)
     source, first, cfg, drawing = _data(user.train_data, cfg, session, console)
     # before planning, which may cut a step otherwise: what a step trains on is what a resume must repeat
@@ -296,12 +320,9 @@ def _fit(user: _UserParts, cfg: Config, session: Session, prec, run: FitRun, con
     if cfg.train.plan == "auto":
         cfg, drawing = _planned(user.model, loss_fn, first, cfg, session, console, drawing)
     # precision and compile "auto" on a GPU: timed on copies of the model before it is placed
-    tuned = tune(cfg, session, prec, lambda: _probe_job(user, loss_fn, source, cfg, session, drawing))
-    if tuned.probed:
-        console.print(f"Precision: {tuned.precision.describe()}\nCompile: {tuned.compile_note}", markup=False,
-                      soft_wrap=True)
+    tuned = tune(cfg, session, opened.precision, lambda: _probe(user, loss_fn, source, cfg, session, drawing))
     cfg, prec = tuned.cfg, tuned.precision
-    model = _placed(user.model, cfg, session, prec, limit)
+    model = _placed(user.model, cfg, session, prec, opened.limit)
     # counted on a meta copy where the weights stay on the host (CPU offload) and the batch is on the device
     work = _workload(models.meta_copy(model), loss_fn, meta_batch(first), rows(first), console) \
         if cfg.parallel.fsdp_cpu_offload else _workload(model, loss_fn, first, rows(first), console)
@@ -309,37 +330,30 @@ def _fit(user: _UserParts, cfg: Config, session: Session, prec, run: FitRun, con
     _same_weights_everywhere(model, session)
     task = Task(loss_fn, **drawing, **_evaluation(user, table["batch_size"], session.device.torch_device))
     job = build_job(model, cfg, session, prec, task)
-    ckpt = checkpointer(run, user.fingerprint, cfg.checkpoint.keep, session)
-    state = restore(ckpt, job, cfg, session) if run.resuming else TrainState()
+    ckpt = Checkpointer(run.folder / "checkpoints", cfg.checkpoint.keep, user.fingerprint,
+                        is_writer=session.is_writer, watch=session.watch()) if run.folder is not None else None
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=prec.name))
-    write_config(run.folder, cfg, table, session)  # only now: a refused resume changes nothing
-    # Reading a DataLoader again up to the resumed position draws from the RNG: the restored state must stay
-    with torch.random.fork_rng(devices=[]):
-        job.batches = loader = DeviceLoader(source, session.device.torch_device, start=state.batches)
-    if state.step:
-        console.print(f"Resuming at step {state.step} (batch {state.batches}) from {run.folder}", markup=False)
-    background = background_saves(cfg, session, ckpt, job)[0] if ckpt is not None else None  # checkpoint.async
-    outcome = execute(Execution(session, job, cfg, state, loader, work, run.folder, ckpt, background), console)
+    prep = Prepared(job, work, source, run.folder, ckpt, run.resuming,
+                    restore=lambda ckpt, job: restore(ckpt, job, cfg, session),
+                    write_config=lambda cfg: (run.folder / "config.toml").write_text(fit_toml(cfg, table)),
+                    resume_how=resume_call(run.folder),
+                    start_lines=[f"Precision: {prec.describe()}", f"Compile: {tuned.compile_note}"]
+                    if tuned.probed else [])
+    outcome = run_prepared(dataclasses.replace(opened, cfg=cfg, precision=prec), prep)
     s = outcome.summary
-    if "stopped_by" in s:
-        say_stopped(console, state, cfg, s, run)
     metrics = Metrics(s["steps"], s["final_loss"], s["samples_per_s"], s["step_s"], s["mfu"], s["peak_mem_gb"],
                       work.mfu_note, s.get("mfu_datasheet"))
     return FitResult(job.model, metrics, outcome.records, s)
 
 
-def _probe_job(user: _UserParts, loss_fn, source, cfg: Config, session: Session, drawing: dict
-               ) -> tuple[MakeJob, dict]:
-    """What `autotune.tune` times: jobs of a copy of the user's module on the first step's data, and what
-    identifies the job for its cache. The module itself is untouched (its weights are the run's)."""
-    device = session.device.torch_device
-    step = next(first_batches(source, 1, device))
-
-    def make_job(trial: Config, precision) -> Job:
+def _probe(user: _UserParts, loss_fn, source, cfg: Config, session: Session, drawing: dict) -> tuple[MakeJob, dict]:
+    """Jobs of a copy of the user's module for `autotune.tune`: the module itself is untouched (its
+    weights are the run's)."""
+    def make(trial: Config, precision: Precision, batches) -> Job:
         model = _placed(copy.deepcopy(user.model), trial, session, precision, None)
         model.zero_grad(set_to_none=True)
-        return build_job(model, trial, session, precision, Task(loss_fn, batches=itertools.repeat(step), **drawing))
-    return make_job, job_identity(user.fingerprint, tensors_in(step), cfg, session)
+        return build_job(model, trial, session, precision, Task(loss_fn, batches=batches, **drawing))
+    return probe_jobs(source, session, cfg, user.fingerprint, make)
 
 
 def _placed(model: nn.Module, cfg: Config, session: Session, prec, limit) -> nn.Module:

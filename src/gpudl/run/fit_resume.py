@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import shlex
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 
-from rich.console import Console
 from torch import nn
 
-from ..checkpoint import Checkpointer, complete_checkpoints
+from ..checkpoint import Checkpointer
 from ..checkpoint.files import read_json
 from ..config import Config
 from ..config.settings import dump_toml, to_dict
-from ..errors import UserError
 from ..training.loop import Job, TrainState
-from .run_dir import prepare_run_dir, restore_job
+from .run_dir import restore_job
 from ..distributed.session import Session
 
 # What a resumed fit must repeat, in the words of fit's keywords.
@@ -39,58 +36,6 @@ def module_fingerprint(model: nn.Module) -> dict:
                            for name, p in model.named_parameters()}}
 
 
-@dataclass
-class FitRun:
-    """Where a fit writes (None: nowhere) and whether it continues the run there."""
-
-    folder: Path | None
-    resuming: bool = False
-
-
-def resolve_fit_run(run_dir, resume, session: Session) -> FitRun:
-    """The run folder from fit's `run_dir` and `resume`, checked (on rank 0, the verdict on every rank)
-    before anything is trained or written."""
-    if resume is None:
-        return FitRun(_new_folder(Path(run_dir), session) if run_dir is not None else None)
-    if resume == "auto":
-        if run_dir is None:
-            raise UserError("resume='auto' continues run_dir when it holds a checkpoint and starts it otherwise: "
-                            "pass run_dir= too")
-        folder = Path(run_dir)
-        if not session.agree(bool(complete_checkpoints(folder / "checkpoints"))):
-            return FitRun(folder)  # a first attempt, or one that died before its first checkpoint: start over
-    else:
-        folder = Path(resume)
-        if run_dir is not None and Path(run_dir).resolve() != folder.resolve():
-            raise UserError(f"resume={str(resume)!r} and run_dir={str(run_dir)!r} name two folders: resume names the "
-                            f"run it continues, and writes there; pass resume= alone")
-    problem = session.agree(_not_resumable(folder) if session.is_writer else None)
-    if problem:
-        raise UserError(problem)
-    return FitRun(folder, True)
-
-
-def _new_folder(path: Path, session: Session) -> Path:
-    if session.agree(path.is_dir() and any(path.iterdir())):
-        raise UserError(f"run folder {path} already holds a run: continue it with resume={str(path)!r}, pass "
-                        f"another run_dir=, or delete the folder to start again")
-    return path
-
-
-def _not_resumable(folder: Path) -> str | None:
-    if not folder.is_dir():
-        return f"resume={str(folder)!r} is not a folder: pass the run_dir= of the fit to continue"
-    config = folder / "config.toml"
-    if not config.is_file() or config.is_symlink():
-        return (f"{folder} is not a fit's run folder (it has no config.toml): pass the run_dir= of the fit to "
-                f"continue")
-    if not complete_checkpoints(folder / "checkpoints"):
-        return (f"nothing to resume: {folder / 'checkpoints'} holds no complete checkpoint (the run stopped before "
-                f"its first save): start it again with run_dir= in a new folder, and checkpoint_every= to save on "
-                f"the way")
-    return None
-
-
 def fit_table(cfg: Config, model: nn.Module, session: Session, data_kind: str) -> dict:
     """The `[fit]` table of config.toml: what a resumed fit must match (the samples per batch: fit's
     batch_size, or what an iterable's batches hold), and what it trained."""
@@ -98,19 +43,15 @@ def fit_table(cfg: Config, model: nn.Module, session: Session, data_kind: str) -
             "processes": session.dp[1], "data": data_kind, "model": module_fingerprint(model)["name"]}
 
 
-def write_config(folder: Path | None, cfg: Config, table: dict, session: Session) -> None:
+def fit_toml(cfg: Config, table: dict) -> str:
     """config.toml as a recipe's, without the sections a fit has no use for, and with its `[fit]` table."""
-    if folder is None or not session.is_writer:
-        return
     data = {k: v for k, v in to_dict(cfg).items() if k not in ("model", "data", "sample")}
-    (folder / "config.toml").write_text(dump_toml({**data, "fit": table}))
+    return dump_toml({**data, "fit": table})
 
 
 def check_same_run(folder: Path, table: dict, session: Session) -> None:
     """A resumed fit repeats what the run trained on, or hears what differs (one line, every rank)."""
-    problem = session.agree(_differences(folder, table) if session.is_writer else None)
-    if problem:
-        raise UserError(problem)
+    session.refuse(lambda: _differences(folder, table))
 
 
 def _differences(folder: Path, table: dict) -> str | None:
@@ -130,28 +71,12 @@ def _differences(folder: Path, table: dict) -> str | None:
             f"run had (with as many processes), or start a new run in another run_dir")
 
 
-def checkpointer(run: FitRun, fingerprint: dict, keep: int, session: Session) -> Checkpointer | None:
-    """The run's checkpoint store (the recipes' own), in a folder made and probed now; None without a folder."""
-    if run.folder is None:
-        return None
-    prepare_run_dir(run.folder, session)
-    return Checkpointer(run.folder / "checkpoints", keep, fingerprint, is_writer=session.is_writer)
-
-
-def restore(ckpt: Checkpointer, job: Job, cfg: Config, session: Session) -> TrainState:
+def restore(ckpt: Checkpointer, job: Job, cfg: Config, session: Session) -> tuple[TrainState, None]:
     """The newest checkpoint into `job` (weights, optimizer, schedule, loss scale, RNG), after a check
     that it holds this model that names what differs."""
-    problem = None
-    if session.is_writer:
-        try:
-            problem = _other_model(ckpt)
-        except UserError as e:  # a damaged state.json: every rank must hear it, not only this one
-            problem = str(e)
-    problem = session.agree(problem)
-    if problem:
-        raise UserError(problem)
+    session.refuse(lambda: _other_model(ckpt))  # a damaged state.json too: every rank must hear it
     state, _ = restore_job(ckpt, job, cfg, session.world)  # no re-seeding note: check_same_run kept the processes
-    return state
+    return state, None
 
 
 def _other_model(ckpt: Checkpointer) -> str | None:
@@ -174,12 +99,8 @@ def _other_model(ckpt: Checkpointer) -> str | None:
     return f"checkpoint {path} holds another model than fit got: {fix}"
 
 
-def say_stopped(console: Console, state: TrainState, cfg: Config, summary: dict, run: FitRun) -> None:
-    """After a stop request: where the work is, and the call that continues it."""
-    if run.folder is None:
-        console.print(f"Stopped at step {state.step} of {cfg.train.max_steps} by {summary['stopped_by']}; nothing "
-                      f"saved (fit had no run_dir=): pass run_dir= to keep a run's work", markup=False, soft_wrap=True)
-        return
-    console.print(f"Stopped at step {state.step} of {cfg.train.max_steps} by {summary['stopped_by']}; checkpoint "
-                  f"saved. Resume with: gpudl.fit(model, train_data, ..., resume={str(run.folder)!r}), the same "
-                  f"model, data and settings", markup=False, soft_wrap=True)
+def resume_call(folder: Path | None) -> str:
+    """How a stopped fit continues, for `stages.stopped_line`."""
+    if folder is None:
+        return "pass run_dir= to keep a run's work"
+    return f"gpudl.fit(model, train_data, ..., resume={str(folder)!r}), the same model, data and settings"

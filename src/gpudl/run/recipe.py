@@ -1,16 +1,17 @@
-"""A training run from a recipe (`gpudl.train`), stage by stage as DESIGN.md draws it.
+"""A training run from a recipe (`gpudl.train`): the model and data its config describes, through the
+stages every run walks (`stages.py`).
 
-config -> device -> preflight checks -> layout -> model (meta, FLOPs counted) -> build_job (which
-allocates it on the device) -> data loader -> training loop -> metrics -> checkpoints -> export -> sample.
+open_run (session, precision, preflight, memory plan, layout, peak, limit) -> model and data from the
+config -> tune -> build_job (the model on the meta device, FLOPs counted there, then allocated) ->
+run_prepared (checkpoints, restore, config.toml, loader, loop, metrics) -> export and a sample.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import shlex
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import torch
@@ -21,22 +22,19 @@ from torch import nn
 from .. import models
 from ..checkpoint import Checkpointer, model_fingerprint
 from ..config import Config
-from ..data import Data, DeviceLoader, first_batches, usable_cores
-from ..data.loader import tensors_in
-from ..device.peak import measured_peak_flops, peak_key
-from ..distributed.parallelize import check_compile, compile_wanted
-from ..distributed.preflight import check_job
+from ..data import Data, first_batches, usable_cores
+from ..distributed.session import Session
 from ..errors import UserError
 from ..memory.auto import planned, shard_wanted
-from ..memory.limit import enforce_memory_limit
 from ..observe.flops import count_training_flops, meta_batch
-from .autotune import MakeJob, Tuned, job_identity, tune
 from ..training.job import Task, build_job, model_and_data
-from ..training.loop import Job, OutOfMemoryAtOneRow, TrainState
-from ..training.precision import Precision, make_precision
-from .run_dir import after_training, keep_tokenizer, kept_tokenizer, resolve_run_dir, restore_job
-from .runner import Execution, Workload, background_saves, execute
-from ..distributed.session import Session, plan_parallel, start_session
+from ..training.loop import Job, OutOfMemoryAtOneRow
+from ..training.precision import Precision
+from .autotune import MakeJob, Tuned, tune
+from .fit_loss import eval_fn_for
+from .run_dir import CLI, after_training, keep_tokenizer, kept_tokenizer, recipe_folder, resolve_run, restore_job
+from .runner import Workload
+from .stages import Opened, Prepared, open_run, probe_jobs, run_prepared
 
 
 @dataclass
@@ -48,18 +46,6 @@ class RunResult:
     records: list[dict]
     model: nn.Module
     optimizer: torch.optim.Optimizer | None = None
-
-
-def eval_fn_for(spec: models.ModelSpec):
-    """Evaluation metrics: loss for every model, accuracy too for classifiers."""
-    if spec.is_language_model:
-        return lambda model, batch: {"loss": model(batch[0], batch[1])}
-
-    def classify(model, batch):
-        logits = model(batch[0]).float()
-        return {"loss": F.cross_entropy(logits, batch[1]),
-                "accuracy": (logits.argmax(-1) == batch[1]).float().mean()}
-    return classify
 
 
 def recipe_job(cfg: Config, spec: models.ModelSpec, data: Data, session: Session,
@@ -74,7 +60,7 @@ def recipe_job(cfg: Config, spec: models.ModelSpec, data: Data, session: Session
     flops = count_training_flops(meta, meta_batch(micro), models.loss_for(spec))
     device = session.device.torch_device
     val = data.val
-    task = Task(models.loss_for(spec), eval_fn=eval_fn_for(spec),
+    task = Task(models.loss_for(spec), eval_fn=evaluation_for(spec, meta),
                 eval_batches=(lambda: first_batches(val, data.eval_batches(cfg.train.eval_batches), device))
                 if val else None, micro_batch=cfg.train.batch_size)
     materialize = functools.partial(models.materialize, device=device, dtype=precision.param_dtype, seed=cfg.run.seed)
@@ -84,19 +70,13 @@ def recipe_job(cfg: Config, spec: models.ModelSpec, data: Data, session: Session
     return job, work
 
 
-def probe_job(cfg: Config, spec: models.ModelSpec, data: Data, session: Session) -> tuple[MakeJob, dict]:
-    """What `autotune.tune` times: jobs of the recipe's model on the first step's data (as the loader makes
-    it), each a fresh model at the run's seed, and what identifies the job for its cache."""
-    device = session.device.torch_device
-    step = next(first_batches(data.train, 1, device))
-
-    def make_job(trial: Config, precision: Precision) -> Job:
-        materialize = functools.partial(models.materialize, device=device, dtype=precision.param_dtype,
-                                        seed=cfg.run.seed)
-        task = Task(models.loss_for(spec), batches=itertools.repeat(step), micro_batch=trial.train.batch_size)
-        return build_job(models.build_meta(spec), trial, session, precision, task, materialize)
-    return make_job, job_identity({"name": spec.name, **dataclasses.asdict(spec.config)}, tensors_in(step), cfg,
-                                  session)
+def evaluation_for(spec: models.ModelSpec, model: nn.Module):
+    """Evaluation metrics, as `fit` computes them: the model's own loss for a GPT, cross-entropy and
+    accuracy for a classifier."""
+    if spec.is_language_model:
+        return eval_fn_for(None, model, None)
+    return eval_fn_for(lambda logits, y: F.cross_entropy(logits.float(), y), model,
+                       lambda logits, y: {"accuracy": (logits.argmax(-1) == y).float().mean()})
 
 
 def train(cfg: Config, resume: str | Path | None = None, console: Console | None = None,
@@ -113,64 +93,51 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
     >>> train(cfg, console=Console(quiet=True)).summary["steps"]
     2
     """
-    console = console or Console()
-    # the group is made before planning, and a plan may choose FSDP's CPU offload: ready for it then too
-    may_offload = cfg.parallel.fsdp_cpu_offload or cfg.train.plan == "auto"
-    session = start_session(cfg.run, console, cfg.parallel.timeout_s, offload=may_offload)
-    if not session.is_writer:
-        console = Console(quiet=True)
-    precision = make_precision(cfg.train.precision, session.device)
-    check_job(cfg, session.world, precision.name)
-    with session.during("plan agreement"):
-        cfg = planned(cfg, session, console)
-    check_compile(cfg.train.compile, session.device.type, session.world, cfg.parallel,
-                  cfg.train.activation_checkpointing)
-    measured_peak_flops(session.device, peak_key(precision.name))  # for MFU; measured now, not under a limit
-    compiled = compile_wanted(cfg.train.compile, session.device.type)
-    with enforce_memory_limit(session.device, cfg.train.memory_limit, compiled):
-        return _train(cfg, session, precision, resume, console, probe_on_cpu)
+    with open_run(cfg, console or Console(), plan=planned, shard=lambda c, s, _: shard_wanted(c, s)) as opened:
+        return _train(opened, resume, probe_on_cpu)
 
 
-def _train(cfg: Config, session: Session, precision: Precision, resume, console: Console,
-           probe_on_cpu: bool) -> RunResult:
+def _train(opened: Opened, resume, probe_on_cpu: bool) -> RunResult:
+    cfg, session, console = opened.cfg, opened.session, opened.console
     with session.during("plan agreement"):
-        plan_parallel(session, cfg.parallel, shard_wanted(cfg, session))
         spec, data = model_and_data(cfg, *session.dp, tokenizer=kept_tokenizer(cfg, resume))
-        run_dir, resuming = resolve_run_dir(cfg, resume, session)
+        wanted = recipe_folder(cfg, session) if cfg.run.name or resume != "auto" else None
+        run_dir, resuming = astuple(resolve_run(wanted, resume, session, CLI))
     with session.during("model set-up"):
         # precision and compile "auto" on a GPU: timed on throw-away jobs before the run's own is made
-        tuned = tune(cfg, session, precision, lambda: probe_job(cfg, spec, data, session), probe_on_cpu)
-        cfg, precision = tuned.cfg, tuned.precision
+        tuned = tune(cfg, session, opened.precision, lambda: _probe(cfg, spec, data, session), probe_on_cpu)
+        opened = dataclasses.replace(opened, cfg=tuned.cfg, precision=tuned.precision)
+        cfg, precision = opened.cfg, opened.precision
         job, work = recipe_job(cfg, spec, data, session, precision)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, model_fingerprint(spec.name, spec.config),
                         is_writer=session.is_writer, watch=session.watch())
-    state, rng_note = restore_job(ckpt, job, cfg, session.world) if resuming else (TrainState(), None)
-    if session.is_writer:
-        (run_dir / "config.toml").write_text(cfg.to_toml())  # only now: a refused resume changes nothing
+
+    def write_config(cfg: Config) -> None:
+        (run_dir / "config.toml").write_text(cfg.to_toml())
         keep_tokenizer(run_dir, data.tokenizer)  # what evaluate, generate, export and a resume read
+
     ranks_here = session.env.local_world_size if session.env is not None else 1
-    loader = DeviceLoader(data.train, session.device.torch_device, start=state.batches,
-                          num_workers=cfg.data.num_workers, cores=max(1, usable_cores() // ranks_here))
-    job.batches = loader
-    _announce(console, session, tuned, spec, work, data, state, cfg.parallel.fsdp_cpu_offload)
-    console.print(f"Loader: {loader.description}", markup=False, soft_wrap=True)
-    if rng_note:
-        console.print(rng_note, markup=False, soft_wrap=True)
-    background, why = background_saves(cfg, session, ckpt, job)
-    console.print(f"Checkpoint saves: {'in the background' if background else 'blocking'} ({why})", markup=False)
-    ex = Execution(session, job, cfg, state, loader, work, run_dir, ckpt, background)
-    try:
-        result = execute(ex, console)
-    except OutOfMemoryAtOneRow as e:
-        raise out_of_memory_report(e, cfg, session, precision) from e
-    finally:
-        loader.close()
-    if "stopped_by" in result.summary:  # preempted or interrupted: the checkpoint is all that is wanted now
-        console.print(f"Stopped at step {state.step} of {cfg.train.max_steps} by {result.summary['stopped_by']}; "
-                      f"checkpoint saved. Resume with: {resume_command(session, run_dir)}", markup=False, soft_wrap=True)
-    else:
-        after_training(cfg, spec, job.model, ckpt, session, run_dir, console)
-    return RunResult(run_dir, result.summary, result.records, job.model, job.optimizer)
+    prep = Prepared(job, work, data.train, run_dir, ckpt, resuming,
+                    restore=lambda ckpt, job: restore_job(ckpt, job, cfg, session.world),
+                    write_config=write_config, resume_how=resume_command(session, run_dir),
+                    loader_options={"num_workers": cfg.data.num_workers, "cores": max(1, usable_cores() // ranks_here)},
+                    start_lines=_start_lines(session, tuned, spec, work, data, cfg.parallel.fsdp_cpu_offload),
+                    leave=lambda job: after_training(cfg, spec, job.model, ckpt, session, run_dir, console),
+                    out_of_memory=lambda e: out_of_memory_report(e, cfg, session, precision))
+    outcome = run_prepared(opened, prep)
+    return RunResult(run_dir, outcome.summary, outcome.records, job.model, job.optimizer)
+
+
+def _probe(cfg: Config, spec: models.ModelSpec, data: Data, session: Session) -> tuple[MakeJob, dict]:
+    """Jobs of the recipe's model for `autotune.tune`, each a fresh model at the run's seed."""
+    device = session.device.torch_device
+
+    def make(trial: Config, precision: Precision, batches) -> Job:
+        materialize = functools.partial(models.materialize, device=device, dtype=precision.param_dtype,
+                                        seed=cfg.run.seed)
+        task = Task(models.loss_for(spec), batches=batches, micro_batch=trial.train.batch_size)
+        return build_job(models.build_meta(spec), trial, session, precision, task, materialize)
+    return probe_jobs(data.train, session, cfg, {"name": spec.name, **dataclasses.asdict(spec.config)}, make)
 
 
 def out_of_memory_report(e: OutOfMemoryAtOneRow, cfg: Config, session: Session, precision: Precision) -> UserError:
@@ -193,20 +160,16 @@ def resume_command(session: Session, run_dir: Path) -> str:
                        "--resume", str(run_dir)])
 
 
-def _announce(console, session: Session, tuned: Tuned, spec, work: Workload, data: Data, state,
-              offload: bool) -> None:
-    console.print(f"Precision: {tuned.precision.describe()}", markup=False, soft_wrap=True)
-    console.print(f"Compile: {tuned.compile_note}", markup=False, soft_wrap=True)
-    console.print(f"Model: {spec.name}: {models.describe(spec)}; {work.n_params / 1e6:.2f}M parameters")
+def _start_lines(session: Session, tuned: Tuned, spec, work: Workload, data: Data, offload: bool) -> list[str]:
+    lines = [f"Precision: {tuned.precision.describe()}", f"Compile: {tuned.compile_note}",
+             f"Model: {spec.name}: {models.describe(spec)}; {work.n_params / 1e6:.2f}M parameters"]
     if session.world > 1:
-        console.print(f"Parallel: {session.dims.describe()} over {session.world} processes")
+        lines.append(f"Parallel: {session.dims.describe()} over {session.world} processes")
     if offload:
         here = " (on the CPU that saves nothing: its memory is the host's)" if session.device.type == "cpu" else ""
-        console.print(f"FSDP CPU offload: weights, gradients and optimizer state in host memory; the update runs "
-                      f"there{here}")
-    console.print(f"Data: {data.description}")
+        lines.append(f"FSDP CPU offload: weights, gradients and optimizer state in host memory; the update runs "
+                     f"there{here}")
+    lines.append(f"Data: {data.description}")
     if data.val is None:
-        console.print(f"Evaluation: none, the data has no validation part ({data.no_val})", markup=False,
-                      soft_wrap=True)
-    if state.step:
-        console.print(f"Resuming at step {state.step} (batch {state.batches})")
+        lines.append(f"Evaluation: none, the data has no validation part ({data.no_val})")
+    return lines

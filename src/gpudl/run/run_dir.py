@@ -6,6 +6,8 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -28,24 +30,79 @@ from ..distributed.session import Session
 SAMPLE_MEMORY_SHARE = 0.25
 
 
-def resolve_run_dir(cfg: Config, resume: str | Path | None, session: Session) -> tuple[Path, bool]:
-    """(the run folder, whether to resume from its newest checkpoint), the same on every rank.
+@dataclass(frozen=True)
+class Words:
+    """How a run's messages name its options: the command line's (`CLI`) or fit's keywords (`FIT`)."""
 
-    resume=None: a new folder (it must not hold a run); a path: that run; "auto": run.name,
-    resumed when it has a checkpoint, else started (a restarted job's first attempt may have
-    died before its first checkpoint).
-    """
-    if resume == "auto" and not cfg.run.name:
-        raise UserError("--resume auto needs a run name that every attempt shares: set --set run.name=...")
-    resumed = resumed_folder(cfg, resume)
-    if resumed is not None:
-        run_dir, resuming = resumed, True
-    elif resume == "auto":
-        run_dir, resuming = Path(cfg.run.dir) / cfg.run.name, False
+    resume: Callable[[Path], str]  # the option that continues the run in a folder
+    another: str                   # how to choose another folder
+    auto_needs: str                # resume "auto" without a folder every attempt shares
+    start_again: str               # where a folder holds nothing to resume
+
+
+CLI = Words(lambda p: f"--resume {p}", "choose another --set run.name=...",
+            "--resume auto needs a run name that every attempt shares: set --set run.name=...",
+            "start a new run instead")
+FIT = Words(lambda p: f"resume={str(p)!r}", "pass another run_dir=",
+            "resume='auto' continues run_dir when it holds a checkpoint and starts it otherwise: pass run_dir= too",
+            "start it again with run_dir= in a new folder, and checkpoint_every= to save on the way")
+
+
+@dataclass
+class RunFolder:
+    """Where a run writes (None: nowhere) and whether it continues the run there."""
+
+    folder: Path | None
+    resuming: bool = False
+
+
+def resolve_run(wanted: Path | None, resume: str | Path | None, session: Session, words: Words) -> RunFolder:
+    """The run folder, the same on every rank, checked (on rank 0) before anything is trained or written.
+
+    resume=None: `wanted`, which must not hold a run (None: the run writes nothing); a path: the run
+    there, which must have a checkpoint; "auto": `wanted`, resumed when it has a checkpoint, else
+    started (a restarted job's first attempt may have died before its first checkpoint)."""
+    if resume is None:
+        if wanted is not None:
+            session.refuse(lambda: _holds_a_run(wanted, words))
+            prepare_run_dir(wanted, session)
+        return RunFolder(wanted)
+    if resume == "auto":
+        if wanted is None:
+            raise UserError(words.auto_needs)
+        if not session.agree(bool(complete_checkpoints(wanted / "checkpoints"))):
+            prepare_run_dir(wanted, session)
+            return RunFolder(wanted)
+        folder = wanted
     else:
-        run_dir, resuming = _new_run_dir(cfg, session), False
-    prepare_run_dir(run_dir, session)
-    return run_dir, resuming
+        folder = Path(resume)
+    session.refuse(lambda: _not_resumable(folder, words))
+    prepare_run_dir(folder, session)
+    return RunFolder(folder, True)
+
+
+def _holds_a_run(path: Path, words: Words) -> str | None:
+    if path.is_dir() and any(path.iterdir()):
+        return (f"run folder {path} already holds a run: continue it with {words.resume(path)}, {words.another}, "
+                f"or delete the folder to start again")
+    return None
+
+
+def _not_resumable(folder: Path, words: Words) -> str | None:
+    if not folder.is_dir():
+        return f"{words.resume(folder)} is not a folder: name the folder of the run to continue"
+    config = folder / "config.toml"
+    if not config.is_file() or config.is_symlink():
+        return f"{folder} is not a run folder (it has no config.toml): name the folder of the run to continue"
+    if not complete_checkpoints(folder / "checkpoints"):
+        return (f"nothing to resume: {folder / 'checkpoints'} holds no complete checkpoint (the run stopped before "
+                f"its first save): {words.start_again}")
+    return None
+
+
+def recipe_folder(cfg: Config, session: Session) -> Path:
+    """A recipe's run folder: run.dir/run.name, the name made of the model and the time when not set."""
+    return Path(cfg.run.dir) / session.agree(cfg.run.name or f"{cfg.model.name}-{datetime.now():%Y%m%d-%H%M%S}")
 
 
 def resumed_folder(cfg: Config, resume: str | Path | None) -> Path | None:
@@ -72,15 +129,7 @@ def keep_tokenizer(run_dir: Path, tokenizer: Tokenizer | None) -> None:
 def prepare_run_dir(run_dir: Path, session: Session) -> None:
     """Create the run folder (on rank 0) and write a probe file in it: a place that cannot hold a run
     fails now, in one line, on every rank."""
-    problem = None
-    if session.is_writer:
-        try:
-            _probe(run_dir)
-        except UserError as e:
-            problem = str(e)
-    problem = session.agree(problem)
-    if problem:
-        raise UserError(problem)
+    session.refuse(lambda: _probe(run_dir))
 
 
 def _probe(run_dir: Path) -> None:
@@ -92,16 +141,6 @@ def _probe(run_dir: Path) -> None:
     except OSError as e:
         raise UserError(f"cannot write the run folder {run_dir} ({e.strerror or e}): "
                         f"set run.dir to a folder you can write") from e
-
-
-def _new_run_dir(cfg: Config, session: Session) -> Path:
-    name = session.agree(cfg.run.name or f"{cfg.model.name}-{datetime.now():%Y%m%d-%H%M%S}")
-    run_dir = Path(cfg.run.dir) / name
-    taken = session.agree(run_dir.exists() and any(run_dir.iterdir()))
-    if taken:
-        raise UserError(f"run folder {run_dir} already holds a run: continue it with --resume {run_dir}, "
-                        f"or choose another --set run.name=...")
-    return run_dir
 
 
 def _full_model_on(spec: models.ModelSpec, ckpt: Checkpointer, device: torch.device) -> nn.Module:
