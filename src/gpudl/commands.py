@@ -12,7 +12,6 @@ from rich.console import Console
 from rich.table import Table
 
 from . import models
-from .checkpoint import complete_checkpoints
 from .config import load_config, recipe_names
 from .device import available, cpu_info, detect
 from .errors import UserError
@@ -52,6 +51,8 @@ def cmd_info(args, console: Console) -> int:
 def train_config(args):
     """The config `gpudl train` means: a resumed run's own config.toml, else the recipe (the default one
     without --config); --set, --device and --precision on top."""
+    from .run.run_dir import resumed_folder
+
     sets = list(args.sets)
     if args.device:
         sets.append(f"run.device={args.device}")
@@ -70,10 +71,9 @@ def train_config(args):
             raise UserError(f"--resume {args.resume!r}: not a run folder (no config.toml in it)")
         return load_config(path / "config.toml", sets)
     cfg = load_config(args.config or DEFAULT_RECIPE, sets)
-    if args.resume == "auto" and cfg.run.name:  # a restarted worker: the run as its first attempt resolved it
-        run = Path(cfg.run.dir) / cfg.run.name
-        if complete_checkpoints(run / "checkpoints") and (run / "config.toml").is_file():
-            return load_config(run / "config.toml", sets)
+    run = resumed_folder(cfg, args.resume) if args.resume == "auto" else None
+    if run is not None and (run / "config.toml").is_file():  # a restarted worker: the run as its first attempt was
+        return load_config(run / "config.toml", sets)
     return cfg
 
 

@@ -1,9 +1,13 @@
 """The gpudl command: smoke runs in real subprocesses, bad input through the same main()."""
 
 import json
+import os
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import TINY, run_cli
 from gpudl.checkpoint import complete_checkpoints
@@ -107,6 +111,90 @@ def test_resume_refusals_leave_the_run_untouched(capsys, trained_run, tmp_path):
 def test_generate_needs_a_gpt_run(capsys, tmp_path):
     code, err = error_of(capsys, "generate", str(tmp_path))
     assert code == 2 and "not a gpudl run folder" in err
+
+
+def help_of(capsys, monkeypatch, *argv: str) -> str:
+    """`gpudl ARGV --help` as printed, its whitespace collapsed; wide enough that argparse wraps no name."""
+    monkeypatch.setenv("COLUMNS", "500")
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--help"])
+    assert done.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def option_help(text: str, option: str) -> str:
+    """The help of one option in a collapsed help text: from the option to the next one."""
+    return text.split(f" {option} ", 1)[1].split(" --", 1)[0]
+
+
+def test_generate_help_says_tokens_and_that_zero_temperature_is_greedy(capsys, monkeypatch):
+    text = help_of(capsys, monkeypatch, "generate")
+    assert option_help(text, "--tokens").startswith("TOKENS tokens to generate") and "bytes to generate" not in text
+    assert "0: greedy" in option_help(text, "--temperature")
+
+
+def test_serve_help_says_a_safetensors_file_is_served_too(capsys, monkeypatch):
+    assert ".safetensors file" in option_help(help_of(capsys, monkeypatch, "serve"), "model")
+
+
+def test_plan_help_lists_every_target_gpu_the_planner_knows(capsys, monkeypatch):
+    from gpudl.device.specs import TARGETS
+
+    listed = option_help(help_of(capsys, monkeypatch, "plan"), "--target").split(": ", 1)[1].split(", ")
+    assert len(TARGETS) >= 10 and listed == list(TARGETS)
+
+
+def test_generate_at_temperature_zero_is_the_argmax_of_each_step(capsys, trained_run):
+    from gpudl.run.trained import load_trained
+
+    _, run, _ = trained_run
+    model = load_trained(run, "cpu").model
+    ids = list(b"import ")
+    with torch.no_grad():  # greedy by hand: the likeliest of the 256 byte ids, one step at a time
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids[-model.cfg.block_size:]]))[0, -1, :256].argmax()))
+    for seed in ("0", "7"):  # greedy draws nothing: the seed changes nothing
+        assert main(["generate", str(run), "--device", "cpu", "--prompt", "import ", "--tokens", "12",
+                     "--temperature", "0", "--seed", seed]) == 0
+        assert capsys.readouterr().out == bytes(ids).decode("utf8", errors="replace") + "\n"
+    code, err = error_of(capsys, "generate", str(run), "--temperature", "-1")
+    assert code == 2 and "--temperature >= 0 (0: greedy)" in err
+
+
+def test_sklearn_digits_without_scikit_learn_is_one_line_with_the_pip_command(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # as where it is not installed: importing it fails
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    code, err = error_of(capsys, "train", "--config", "resnet18", "--device", "cpu", "--set", "data.path=sklearn:digits")
+    assert code == 2 and "scikit-learn is not installed: pip install scikit-learn" in err
+
+
+def fit_run(folder: Path) -> Path:
+    """A real run folder of gpudl.fit: a user's own module, which no recipe rebuilds."""
+    import gpudl
+
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    gpudl.fit(torch.nn.Linear(4, 2), (x, (x[:, 0] > 0).long()), torch.nn.functional.cross_entropy, max_steps=2,
+              batch_size=16, run_dir=str(folder),
+              device="cpu", precision="fp32", progress=False, quiet=True)
+    return folder
+
+
+def test_the_newest_run_is_the_newest_a_command_can_use(capsys, tmp_path, monkeypatch, trained_run):
+    """A recipe's run, then a newer gpudl.fit run: generate, evaluate and export take the recipe's;
+    report, which reads only what a run wrote, takes the newest."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(trained_run[1], tmp_path / "runs" / "r1")
+    os.utime(tmp_path / "runs" / "r1", (1, 1))  # the older of the two
+    fit_run(tmp_path / "runs" / "mlp")
+    assert (tmp_path / "runs" / "mlp" / "config.toml").read_text().count("[fit]") == 1
+    assert main(["evaluate", "--json", "--batches", "1", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["run_dir"] == str(Path("runs") / "r1")
+    assert main(["report"]) == 0
+    assert str(Path("runs") / "mlp" / "report.md") in capsys.readouterr().out
+    shutil.rmtree(tmp_path / "runs" / "r1")
+    code, err = error_of(capsys, "generate")
+    assert code == 2 and "runs/mlp ran gpudl.fit" in err and "pass RUN_DIR" in err
 
 
 def test_debug_shows_the_traceback(tmp_path):

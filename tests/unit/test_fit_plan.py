@@ -87,5 +87,5 @@ def test_on_an_accelerator_a_module_larger_than_its_memory_is_planned_with_cpu_o
     assert chosen.get("offload") is True, chosen
     assert "with FSDP's CPU offload" in chosen["said"] and not dist.is_initialized()
     on_cpu = with_sets(cfg, ["run.device=cpu"])
-    refused = _fitting_micro_batch(Residual(), loss, (x[:512], y[:512]), on_cpu, Session(cpu_info()), 12 * n)
-    assert "error" in refused  # the CPU's host memory is its device's: nothing to offload to
+    with pytest.raises(gpudl.UserError, match="no micro-batch of Residual fits"):  # the CPU's host memory is its
+        _fitting_micro_batch(Residual(), loss, (x[:512], y[:512]), on_cpu, Session(cpu_info()), 12 * n)  # device's

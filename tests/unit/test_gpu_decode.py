@@ -70,6 +70,19 @@ def test_device_half_matches_the_host_path(folder, augment):
     assert 0 < decoder.given and host.bad.count == 1 and reference.bad.count == 1
 
 
+def test_a_file_the_device_could_not_decode_is_counted_once_and_not_given_to_it_again(folder):
+    whole = (folder / "c001" / "00005.jpg").read_bytes()
+    (folder / "c001" / "00003.jpg").write_bytes(whole[:len(whole) // 2])  # its header whole: it goes to the device
+    decoder = PillowAsDevice()
+    gpu = DeviceDecoded(FolderBatches(index_folder(folder), 64, 17, seed=4), decoder, "test decoder")
+    gpu.batch(0)  # epoch 0: 16 JPEGs fail as a batch (the truncated one), then go one by one
+    assert decoder.given == 32 and gpu.bad.count == 1
+    for k in range(1, 4):  # epochs 1-3: the 15 good JPEGs only, in one batch each
+        gpu.batch(k)
+        assert decoder.given == 32 + 15 * k
+    assert gpu.bad.count == 1 and [line.split(": ")[0] for line in gpu.bad.news()] == ["c001/00003.jpg"]
+
+
 def test_evaluation_batches_decode_on_the_device_too(folder):
     idx = index_folder(folder)
     gpu = DeviceDecoded(FolderEvalBatches(idx, 64, 8), PillowAsDevice(), "test decoder")

@@ -14,7 +14,7 @@ import torch
 
 from gpudl.data.images.augment import centre_crop
 from gpudl.data.images.decode import MAX_PIXELS, BadImage, BadImages, decode_crop, read_file
-from gpudl.data.images.folder import FolderBatches
+from gpudl.data.images.folder import FolderBatches, FolderEvalBatches
 from gpudl.data.images.index import index_folder
 from jpeg_folder import write_jpeg_folder
 from gpudl.errors import UserError
@@ -158,8 +158,8 @@ def _png_claiming(width: int, height: int) -> bytes:
 
 
 @pytest.mark.parametrize("data, words", [
-    (b"", "UnidentifiedImageError|cannot identify"),
-    (b"this is a text file that ends in .jpg", "cannot identify"),
+    (b"", r"^an empty file \(0 bytes\)$"),
+    (b"this is a text file that ends in .jpg", r"^not an image \(no format Pillow reads starts like it\)$"),
     (None, "truncated|broken|image file"),
     (_png_claiming(10_000, 10_000), "10000x10000 pixels, over the 89,478,485 allowed"),
 ], ids=["zero bytes", "text", "truncated", "too many pixels"])
@@ -167,8 +167,9 @@ def test_bad_files_are_bad_images_naming_the_reason(data, words):
     if data is None:  # truncated: the first half of a real JPEG
         whole_file = jpeg_bytes(gradient(200, 150))
         data = whole_file[:len(whole_file) // 2]
-    with pytest.raises(BadImage, match=words):
+    with pytest.raises(BadImage, match=words) as caught:
         decode_crop(data, 16, whole)
+    assert "object at 0x" not in str(caught.value)  # no `<_io.BytesIO object at 0x...>`: the reader names the file
 
 
 @pytest.mark.parametrize("side", [10_000, 20_000])  # over our limit; over Pillow's own refusal too
@@ -209,6 +210,27 @@ def test_bad_files_are_skipped_deterministically_and_counted(tmp_path):
     again = FolderBatches(idx, 16, 25, seed=1)
     images2, labels2 = again.wire_batch(0)
     assert torch.equal(images, images2) and torch.equal(labels, labels2)  # the same substitutes
+
+
+def test_each_bad_file_is_counted_and_named_once_by_its_relative_path_across_epochs(tmp_path):
+    """Training over 4 epochs and 3 evaluations of the same folder meet each bad file 7 times."""
+    root = write_jpeg_folder(tmp_path / "photos", 21, 3, width=64, height=48)
+    (root / "c000" / "empty.jpg").write_bytes(b"")
+    (root / "c001" / "cut.jpg").write_bytes((root / "c001" / "00001.jpg").read_bytes()[:300])
+    (root / "c002" / "notes.jpg").write_text("a text file named .jpg")
+    idx = index_folder(root)
+    bad = BadImages()
+    train = FolderBatches(idx, 16, len(idx), seed=3, bad=bad)  # one batch is one epoch: every file each time
+    val = FolderEvalBatches(idx, 16, 8, bad=bad)
+    for k in range(4):
+        train.wire_batch(k)
+        if k:
+            [val.wire_batch(j) for j in range(val.batches_per_pass)]
+    named = bad.news()
+    assert bad.count == 3 and len(named) == 3
+    assert sorted(line.split(": ", 1)[0] for line in named) == ["c000/empty.jpg", "c001/cut.jpg", "c002/notes.jpg"]
+    assert not any("BytesIO" in line or str(root) in line for line in named), named
+    assert bad.news() == []
 
 
 def test_bad_images_error_stops_naming_the_file(tmp_path):

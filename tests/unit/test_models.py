@@ -150,6 +150,20 @@ def test_gpt_generate_extends_the_sequence(device):
     assert text == sample_text(m, "def ", 20, seed=3)
 
 
+def test_gpt_generate_at_temperature_zero_is_the_argmax_of_each_step(device):
+    from gpudl.run.sample import sample_text
+
+    m = models.build(models.resolve("gpt-tiny", {"n_layer": 1}), torch.device(device)).eval()
+    ids = list(b"def ")
+    with torch.no_grad():  # greedy by hand: the likeliest of the 256 byte ids, one step at a time
+        for _ in range(30):
+            logits = m(torch.tensor([ids[-m.cfg.block_size:]], device=device))[0, -1, :256]  # (256,)
+            ids.append(int(logits.float().argmax()))
+    expected = bytes(ids).decode("utf8", errors="replace")
+    assert sample_text(m, "def ", 30, temperature=0, seed=1) == expected
+    assert sample_text(m, "def ", 30, temperature=0, top_k=3, seed=2) == expected  # no draw: seed, top_k idle
+
+
 def test_the_forward_flops_checkpointing_reruns_are_the_blocks_by_formula():
     from gpudl.distributed.parallelize import block_units
     from gpudl.observe.flops import count_step_flops

@@ -48,7 +48,8 @@ def config_from_dict(data: dict) -> Config:
         raise UserError(f"[model] must be a table of settings, got {model!r}")
     cfg = from_dict(Config, data, "")
     name = model.pop("name", ModelConfig().name)
-    name = str(name) if isinstance(name, CommandLineValue) else name
+    if isinstance(name, CommandLineValue):  # as any string setting reads it: `"gpt-tiny"` or gpt-tiny
+        name = name.parsed if isinstance(name.parsed, str) else str(name)
     if not isinstance(name, str):
         raise UserError(f"model.name must be a string, got {name!r}")
     model.pop("overrides", None)

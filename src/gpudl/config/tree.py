@@ -15,6 +15,8 @@ PrecisionName = Literal["auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-true",
 
 @dataclass(kw_only=True)
 class RunConfig:
+    """Where the run folder goes, the seed, and the device."""
+
     name: str | None = option(None, "run folder name under `dir`; default: <model>-<date>-<time>")
     dir: str = option("runs", "where run folders live")
     seed: int = option(1337, "seed for initialisation, data order and sampling", ge=0)
@@ -33,6 +35,8 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
+    """What the model trains on and how batches are made (docs/data.md, docs/text.md)."""
+
     kind: Literal["auto", "text", "tokens", "images", "synthetic"] = option(
         "auto", "auto: text for GPT models, images for CNNs")
     path: str | None = option(None, "text: a file or folder of text, .jsonl or .parquet files, or a dataset saved by "
@@ -65,6 +69,8 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
+    """The training loop: its length, batch, precision, compile, guards, evaluation and memory plan."""
+
     max_steps: int = option(600, "optimizer steps (with a time budget: at most)", ge=1)
     time_budget_s: float = option(0.0, "train for about this many seconds (0: no budget): the first steps are "
                                        "timed, then max_steps is lowered to what fits and the schedule follows", ge=0.0)
@@ -112,6 +118,8 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
+    """AdamW and its learning-rate schedule: linear warm-up, then cosine down to a floor."""
+
     lr: float = option(3e-3, "peak learning rate", gt=0.0)
     min_lr_ratio: float = option(0.1, "final lr as a share of the peak (cosine floor)", ge=0.0, le=1.0)
     warmup_steps: int = option(50, "linear warm-up steps", ge=0)
@@ -123,6 +131,8 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
+    """Checkpoints: how often, how many are kept, and the weights exported at the end."""
+
     every: int = option(200, "save every N steps (0: only at the end)", ge=0)
     keep: int = option(2, "checkpoints to keep (the newest ones)", ge=2)
     export: bool = option(True, "write model.safetensors at the end when safetensors is installed")
@@ -152,6 +162,8 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class LogConfig:
+    """What the run shows and writes beside its metrics."""
+
     tensorboard: bool | Literal["auto"] = option("auto", "TensorBoard events; auto: when installed")
     plot: bool = option(True, "loss curve at the end (PNG with matplotlib, SVG without)")
     progress: bool = option(True, "live progress bar on the console")
@@ -159,9 +171,11 @@ class LogConfig:
 
 @dataclass(kw_only=True)
 class SampleConfig:
-    tokens: int = option(300, "bytes to generate after training a GPT (0: none)", ge=0)
+    """The text sample a GPT run writes at its end (sample.txt)."""
+
+    tokens: int = option(300, "tokens to generate after training a GPT (bytes for a byte-level run; 0: none)", ge=0)
     prompt: str = option("def ", "text that starts the sample")
-    temperature: float = option(0.8, "sampling temperature", gt=0.0)
+    temperature: float = option(0.8, "sampling temperature (0: greedy, the likeliest token each time)", ge=0.0)
     top_k: int = option(40, "sample among the k likeliest tokens (0: all)", ge=0)
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,9 @@ from .watch import StepWatch
 from ..device.accel import use_device
 from ..device.host import keep_freed_memory
 from ..errors import UserError
+
+T = TypeVar("T")
+
 
 @dataclass
 class Session:
@@ -75,18 +79,25 @@ class Session:
         """Rank 0's `value` (plain data: JSON's types), on every rank."""
         return broadcast_json(value, self.control) if self.world > 1 else value
 
-    def refuse(self, decide: Callable[[], str | None]) -> None:
-        """Rank 0 decides whether the job cannot go on (`decide()`: the problem in words, or None) and
-        every rank raises that one UserError: each hears it, none is left to find a lost connection."""
-        problem = None
+    def decided(self, decide: Callable[[], T]) -> T:
+        """Rank 0's `decide()` (plain data) on every rank; a UserError it raised is raised on every rank:
+        each hears the one line, none is left to find a lost connection."""
+        answer = None
         if self.is_writer:
             try:
-                problem = decide()
+                answer = {"value": decide()}
             except UserError as e:
-                problem = str(e)
-        problem = self.agree(problem)
-        if problem:
-            raise UserError(problem)
+                answer = {"error": str(e)}
+        answer = self.agree(answer)
+        if "error" in answer:
+            raise UserError(answer["error"])
+        return answer["value"]
+
+    def refuse(self, problem: Callable[[], str | None]) -> None:
+        """Raise rank 0's `problem()` (a UserError's words; None: none) on every rank."""
+        said = self.decided(problem)
+        if said:
+            raise UserError(said)
 
     def reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
         """Mean over data-parallel ranks (identity for one process). Gloo has no AVG: sum, then divide."""

@@ -30,16 +30,8 @@ def planned(cfg: Config, session: Session, console: Console) -> Config:
     """`cfg` with the plan's winner applied (unchanged unless `train.plan` is "auto")."""
     if cfg.train.plan != "auto":
         return cfg
-    answer = None
-    if session.is_writer:
-        console.print("Planning memory: one training step per candidate, traced on fake tensors ...")
-        try:
-            answer = _decide(plan(cfg, machine_here(cfg, session)))
-        except UserError as e:  # said on every rank, not left for the others to find as a lost connection
-            answer = {"error": str(e)}
-    answer = session.agree(answer)
-    if "error" in answer:
-        raise UserError(answer["error"])
+    console.print("Planning memory: one training step per candidate, traced on fake tensors ...")
+    answer = session.decided(lambda: _decide(plan(cfg, machine_here(cfg, session))))
     console.print(answer["said"], markup=False, soft_wrap=True)
     return with_sets(cfg, [*answer["sets"], "train.plan=off"])
 
@@ -49,7 +41,7 @@ def _decide(result: Plan) -> dict:
 
     w = result.winner
     if w is None:
-        return {"error": f"train.plan=auto: {why(result)}"}
+        raise UserError(f"train.plan=auto: {why(result)}")
     return {"sets": w.sets, "said": f"Plan: {w.describe()} · predicted peak {w.estimate.peak / 2**30:.2f} GiB per "
                                     f"process of {result.machine.usable / 2**30:.2f} GiB usable"}
 
@@ -62,23 +54,24 @@ def shard_wanted(cfg: Config, session: Session) -> bool:
     p = cfg.parallel
     if session.world == 1 or "auto" not in (p.dp_replicate, p.dp_shard):
         return False
-    verdict = None
-    if session.is_writer:
-        from .. import models
-        from .estimate import dims_of
-        from .fake_jobs import FakeJobs
+    return bool(session.decided(lambda: _replica_too_big(cfg, session)))
 
-        ddp = with_sets(cfg, [f"parallel.dp_replicate={dims_of(cfg, session.world).dp}", "parallel.dp_shard=1"])
-        usable = machine_here(cfg, session, speeds=False).usable
-        try:
-            with FakeJobs(session.world) as jobs:
-                verdict = jobs.estimate(ddp).peak * (1 + MARGIN) > usable
-        except UserError:
-            from ..training.precision import param_dtype_of
 
-            n = models.parameter_count(models.from_config(cfg))
-            verdict = state_needs_sharding(n, param_dtype_of(cfg.train.precision).itemsize, session, cfg)
-    return bool(session.agree(verdict))
+def _replica_too_big(cfg: Config, session: Session) -> bool:
+    from .. import models
+    from .estimate import dims_of
+    from .fake_jobs import FakeJobs
+
+    ddp = with_sets(cfg, [f"parallel.dp_replicate={dims_of(cfg, session.world).dp}", "parallel.dp_shard=1"])
+    usable = machine_here(cfg, session, speeds=False).usable
+    try:
+        with FakeJobs(session.world) as jobs:
+            return jobs.estimate(ddp).peak * (1 + MARGIN) > usable
+    except UserError:
+        from ..training.precision import param_dtype_of
+
+        n = models.parameter_count(models.from_config(cfg))
+        return state_needs_sharding(n, param_dtype_of(cfg.train.precision).itemsize, session, cfg)
 
 
 def state_needs_sharding(n_params: int, param_bytes: int, session: Session, cfg: Config) -> bool:
@@ -100,13 +93,8 @@ def plan_module(module, loss_fn, example, cfg: Config, session: Session, console
     if d is not None and (d.dp_shard > 1 or d.tp > 1 or d.pp > 1):
         raise UserError(f"fit(plan='auto') plans one process or DDP, not {d.describe()}: drop plan='auto' and "
                         f"give batch_size (memory_limit= still recovers from running out), or use parallel=None")
-    answer = None
-    if session.is_writer:
-        usable = machine_here(cfg, session, speeds=False).usable
-        answer = _fitting_micro_batch(module, loss_fn, example, cfg, session, usable)
-    answer = session.agree(answer)
-    if "error" in answer:
-        raise UserError(answer["error"])
+    answer = session.decided(lambda: _fitting_micro_batch(module, loss_fn, example, cfg, session,
+                                                          machine_here(cfg, session, speeds=False).usable))
     console.print(answer.pop("said"), markup=False, soft_wrap=True)
     return answer
 
@@ -140,9 +128,9 @@ def _fitting_micro_batch(module, loss_fn, example, cfg: Config, session: Session
                     "said": f"Plan: micro-batch {m} x {step_rows // m}{how} · predicted peak "
                             f"{peak / 2**30:.3f} GiB per process of {usable / 2**30:.3f} GiB usable"}
     need = f"{smallest * (1 + MARGIN) / 2**30:.3f} GiB with the margin" if smallest else "more"
-    return {"error": f"fit(plan='auto'): no micro-batch of {type(module).__name__} fits in {usable / 2**30:.3f} GiB "
-                     f"per process (a micro-batch of one needs {need}): give more memory_limit, use "
-                     f"precision='bf16-mixed', or more processes"}
+    raise UserError(f"fit(plan='auto'): no micro-batch of {type(module).__name__} fits in {usable / 2**30:.3f} GiB "
+                    f"per process (a micro-batch of one needs {need}): give more memory_limit, use "
+                    f"precision='bf16-mixed', or more processes")
 
 
 def _may_offload(cfg: Config, session: Session) -> bool:

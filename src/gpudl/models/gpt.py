@@ -259,10 +259,16 @@ def formula_flops_per_token(cfg: GPTConfig, n_params: int) -> int:
 @torch.no_grad()
 def generate(model: GPT, idx: torch.Tensor, new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Extend token ids (B, T) by `new_tokens` sampled ones; returns (B, T + new_tokens)."""
+    """Extend token ids (B, T) by `new_tokens` sampled ones; returns (B, T + new_tokens).
+
+    `temperature` 0 is greedy, the likeliest token each time, as the OpenAI API and `transformers` take it."""
     for _ in range(new_tokens):
         context = idx[:, -model.cfg.block_size:]
-        logits = model(context)[:, -1, :].float() / temperature  # (B, V)
+        logits = model(context)[:, -1, :].float()  # (B, V)
+        if temperature == 0:
+            idx = torch.cat([idx, logits.argmax(dim=-1, keepdim=True)], dim=1)
+            continue
+        logits = logits / temperature
         if top_k:
             kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))

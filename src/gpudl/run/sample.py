@@ -26,6 +26,7 @@ class _Known:
 def sample_text(model: GPT, prompt: str, tokens: int, temperature: float = 0.8, top_k: int = 40,
                 seed: int = 0, tokenizer: Tokenizer | None = None) -> str:
     """The prompt continued by `tokens` tokens, decoded; bytes that do not form UTF-8 show as U+FFFD.
+    `temperature` 0: the likeliest token each time (greedy; `top_k` and `seed` then change nothing).
 
     Raises UnknownToken when the prompt encodes to a token id the model does not have."""
     tokenizer = tokenizer or ByteTokenizer()

@@ -28,8 +28,10 @@ class Trained:
     step: int
 
 
-def find_run(run_dir: str | None, runs_root: str = "runs") -> Path:
-    """The run folder asked for, or the newest one under ./runs."""
+def find_run(run_dir: str | None, runs_root: str = "runs", fit_runs: bool = False) -> Path:
+    """The run folder asked for, or the newest one under ./runs that this command can use: a run of
+    `gpudl.fit` (its config.toml has a [fit] table) holds a user's own model, which no recipe rebuilds, so
+    only commands that read what a run wrote (`fit_runs=True`: report) take it."""
     if run_dir is not None:
         path = Path(run_dir)
         if not (path / "config.toml").is_file():
@@ -39,7 +41,22 @@ def find_run(run_dir: str | None, runs_root: str = "runs") -> Path:
     runs = [p for p in root.iterdir() if (p / "config.toml").is_file()] if root.is_dir() else []
     if not runs:
         raise UserError(f"no run folder under {runs_root}/: train one first (gpudl train) or pass RUN_DIR")
-    return max(runs, key=lambda p: p.stat().st_mtime)
+    usable = [p for p in runs if fit_runs or not _is_fit_run(p)]
+    if not usable:
+        skipped = ", ".join(str(p) for p in sorted(runs)[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
+        raise UserError(f"no run folder under {runs_root}/ that a recipe made: {skipped} ran gpudl.fit, whose model "
+                        f"is your own module, which no recipe rebuilds: train one with gpudl train or pass RUN_DIR")
+    return max(usable, key=lambda p: p.stat().st_mtime)
+
+
+def _is_fit_run(run: Path) -> bool:
+    """Whether `gpudl.fit` wrote this run folder: run/fit_resume.py writes its settings as a [fit] table."""
+    import tomllib
+
+    try:
+        return isinstance(tomllib.loads((run / "config.toml").read_text(encoding="utf8")).get("fit"), dict)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):  # not ours to judge: loading it says what is wrong
+        return False
 
 
 def load_trained(run_dir: Path, device: str = "auto") -> Trained:

@@ -22,12 +22,11 @@ from torch import nn
 from ..config import TrainConfig
 from ..errors import UserError
 from ..distributed.parts import clip_grad_norm
+from ..data.loader import Batch
 from .finite import FiniteGuard, HostGuard, stop_if_too_many
 from .finite import NonFiniteError  # noqa: F401  (where callers import it from)
 from .micro import OutOfMemory, is_out_of_memory, micro_batches, release, rows
 from .precision import Precision
-
-Batch = tuple[torch.Tensor, ...]
 
 
 @dataclass

@@ -58,8 +58,10 @@ def read_file(path: str) -> bytes:
 def decode_crop(data: bytes, size: int, box_for: Callable[[int, int], Box], flip: bool = False) -> torch.Tensor:
     """(size, size, 3) uint8: the box `box_for(width, height)` of the image (as displayed, EXIF
     rotation applied), resized to size x size, flipped left to right when asked."""
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
+    if not data:
+        raise BadImage("an empty file (0 bytes)")
     try:
         im = Image.open(io.BytesIO(data))
         width, height = im.size
@@ -74,6 +76,8 @@ def decode_crop(data: bytes, size: int, box_for: Callable[[int, int], Box], flip
         raise
     except Image.DecompressionBombError:  # Pillow's own refusal, at twice its threshold
         raise BadImage(f"over {MAX_PIXELS:,} pixels (a decompression bomb?)") from None
+    except UnidentifiedImageError:  # Pillow's message names the in-memory buffer, not the file: say what it means
+        raise BadImage("not an image (no format Pillow reads starts like it)") from None
     except Exception as e:  # Pillow raises many kinds for damaged files (OSError, SyntaxError, ValueError, ...)
         raise BadImage(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from None
     return _resize(image, box, scale, size, flip)
@@ -121,7 +125,8 @@ def _resize(im, box: Box, scale: float, size: int, flip: bool) -> torch.Tensor:
 
 class BadImages:
     """What the decoders skipped: a count for metrics.jsonl, the first few named, or the end of the run
-    where `data.bad_images="error"`. Shared by a source's decoding threads."""
+    where `data.bad_images="error"`. Shared by a run's decoding threads and its training and evaluation
+    sources, so a file is counted and named once however often epochs and evaluations meet it."""
 
     NAMED = 5
 
@@ -129,15 +134,26 @@ class BadImages:
         self.policy, self.count, self._lock = policy, 0, threading.Lock()
         self.named: list[str] = []     # "path: reason" of the first NAMED
         self._announced = 0
+        self._seen: set[str] = set()   # every bad file's full path (two folders may share a relative name)
 
-    def saw(self, path: str, reason: str) -> None:
+    def known(self, path: str) -> bool:
+        """Whether `path` was found bad already: it is not read again (it would fail the same way)."""
+        with self._lock:
+            return path in self._seen
+
+    def saw(self, path: str, reason: str, name: str | None = None) -> None:
+        """File `path` (shown as `name`, e.g. its path relative to the folder) cannot be decoded, for `reason`."""
+        name = name or path
         if self.policy == "error":
-            raise UserError(f"cannot use image {path!r}: {reason}; remove or replace it, "
+            raise UserError(f"cannot use image {name!r}: {reason}; remove or replace it, "
                             f"or set data.bad_images=skip to train on without it")
         with self._lock:
+            if path in self._seen:  # another thread met it in the same batch
+                return
+            self._seen.add(path)
             self.count += 1
             if len(self.named) < self.NAMED:
-                self.named.append(f"{path}: {reason}")
+                self.named.append(f"{name}: {reason}")
 
     def news(self) -> list[str]:
         """The named files not yet reported (each is reported once)."""

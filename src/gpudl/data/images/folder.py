@@ -90,10 +90,11 @@ class FolderBatches(_Normalizing):
         box_for, flip = self.crop_of(u)
         for attempt in range(SUBSTITUTE_TRIES):
             path = self.index.path(i)
-            try:
-                return decode_crop(read_file(path), self.size, box_for, flip), self.labels[i]
-            except BadImage as e:
-                self.bad.saw(path, str(e))
+            if not self.bad.known(path):  # a bad file fails alike each epoch: read, counted and named once
+                try:
+                    return decode_crop(read_file(path), self.size, box_for, flip), self.labels[i]
+                except BadImage as e:
+                    self.bad.saw(path, str(e), self.index.relative(i))
             i = self.substitute(k, slot, attempt)
         raise UserError(f"{SUBSTITUTE_TRIES} files of {str(self.index.root)!r} in a row could not be decoded "
                         f"(the last: {self.bad.named[-1] if self.bad.named else path}): is it a folder of images?")

@@ -98,8 +98,9 @@ class DeviceDecoded(_Normalizing):
         labels = torch.empty(len(slots), dtype=torch.int64)
         files = HostFiles([], [], [], [], [], k)
         for slot, (i, u) in enumerate(slots):
-            try:
-                data = read_file(self.host.index.path(i))
+            path = self.host.index.path(i)
+            try:  # a file found bad before goes straight to the host's substitute, not to nvJPEG again
+                data = b"" if self.host.bad.known(path) else read_file(path)
             except BadImage:
                 data = b""
             shape = _jpeg_header(data) if data else None

@@ -71,8 +71,9 @@ def generated_shapes(n: int, size: int, seed: int) -> ImageSet:
 def sklearn_digits(size: int) -> ImageSet:
     try:
         from sklearn.datasets import load_digits
-    except ImportError:
-        raise UserError("data.path='sklearn:digits' needs scikit-learn: pip install scikit-learn") from None
+    except ImportError:  # an optional extra: the core never needs it, only this one data set does
+        raise UserError("data.path='sklearn:digits' reads scikit-learn's digits, and scikit-learn is not installed: "
+                        "pip install scikit-learn (the extra 'sklearn' installs it too)") from None
     d = load_digits()  # 1797 grey 8x8 images, values 0..16, shipped inside the package
     img = torch.tensor(d.images, dtype=torch.float32)[:, None] / 16.0
     img = F.interpolate(img, size=(size, size), mode="bilinear", align_corners=False)

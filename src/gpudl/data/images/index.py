@@ -38,8 +38,12 @@ class FolderIndex:
         return len(self.labels)
 
     def path(self, i: int) -> str:
+        return os.path.join(self.root, self.relative(i))
+
+    def relative(self, i: int) -> str:
+        """Image i's path relative to the folder: how messages name it."""
         start = int(self.ends[i - 1]) if i else 0
-        return os.path.join(self.root, os.fsdecode(self.packed[start:int(self.ends[i])].tobytes()))
+        return os.fsdecode(self.packed[start:int(self.ends[i])].tobytes())
 
     def subset(self, idx: np.ndarray) -> FolderIndex:
         starts = np.concatenate(([0], self.ends[:-1]))[idx]
