@@ -159,7 +159,7 @@ def test_a_signal_saves_and_the_resumed_fit_is_bit_identical(tmp_path, signum):
         return subprocess.Popen([sys.executable, str(script), str(tmp_path / "run"), how, str(tmp_path / f"{how}.pt")],
                                 cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     whole = start("whole")
-    cut, step = start("cut"), random.randint(20, 100)
+    cut, step = start("cut"), random.Random(int(signum)).randint(20, 100)  # seeded: a failure can be rerun
     deadline = time.monotonic() + 120
     while logged_steps(tmp_path / "run") < step and cut.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
