@@ -38,7 +38,7 @@ from ..training.micro import micro_batches, rows
 from ..training.precision import Precision
 from .autotune import MakeJob, tune
 from .fit_loss import eval_fn_for, loss_fn_for
-from .fit_resume import check_same_run, fit_table, fit_toml, module_fingerprint, restore, resume_call
+from .fit_resume import check_same_run, fit_table, fit_toml, leave_model, module_fingerprint, restore, resume_call
 from .run_dir import FIT, RunFolder, resolve_run
 from .runner import Workload
 from .stages import Opened, Prepared, open_run, probe_jobs, run_prepared
@@ -337,6 +337,8 @@ def _fit(user: _UserParts, opened: Opened, run: RunFolder) -> FitResult:
                     restore=lambda ckpt, job: restore(ckpt, job, cfg, session),
                     write_config=lambda cfg: (run.folder / "config.toml").write_text(fit_toml(cfg, table)),
                     resume_how=resume_call(run.folder),
+                    leave=(lambda job: leave_model(user.model, job.model, run.folder, session, console))
+                    if run.folder is not None else None,
                     start_lines=[f"Precision: {prec.describe()}", f"Compile: {tuned.compile_note}"]
                     if tuned.probed else [])
     outcome = run_prepared(dataclasses.replace(opened, cfg=cfg, precision=prec), prep)

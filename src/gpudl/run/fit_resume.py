@@ -104,3 +104,26 @@ def resume_call(folder: Path | None) -> str:
     if folder is None:
         return "pass run_dir= to keep a run's work"
     return f"gpudl.fit(model, train_data, ..., resume={str(folder)!r}), the same model, data and settings"
+
+
+def leave_model(model: nn.Module, placed: nn.Module, folder: Path, session: Session, console) -> Path | None:
+    """What a finished fit leaves for other tools in its folder: a Hugging Face model's own `save_pretrained`
+    folder (`model/`, which `from_pretrained` loads), any other module's weights as `model.safetensors`.
+    `placed` is the module as trained (wrapped by DDP or sharded by FSDP); its whole state is gathered on
+    every rank (a collective) and written by rank 0. Returns what was written (None on other ranks)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    whole = get_model_state_dict(placed, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not session.is_writer:
+        return None
+    if hasattr(model, "save_pretrained"):  # transformers' own layout, config included
+        out = folder / "model"
+        model.save_pretrained(out, state_dict=whole, safe_serialization=True)
+    else:
+        from ..checkpoint import export_safetensors
+
+        out = export_safetensors(model, folder / "model.safetensors",
+                                 {"gpudl_fit_model": module_fingerprint(model)["name"]}, state=whole)
+    console.print(f"Model: {out}", markup=False)
+    return out
+
