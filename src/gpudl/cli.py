@@ -79,9 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=int, default=50, help="validation batches to average over")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("export", parents=[common], help="write a run's weights to one safetensors file")
+    p = sub.add_parser("export", parents=[common], help="write a run's model for another engine: gpudl's safetensors, "
+                                                         "a Hugging Face folder (transformers, vLLM) or ONNX (Triton)")
     p.add_argument("run_dir", nargs="?", help="run folder (default: the newest under runs/)")
-    p.add_argument("--out", help="output file (default: RUN_DIR/model.safetensors)")
+    p.add_argument("--format", choices=["gpudl", "hf", "onnx"], default="gpudl",
+                   help="gpudl: one safetensors file (gpudl serve); hf: a GPT as GPT2LMHeadModel's folder; onnx: a "
+                        "classifier with a dynamic batch axis")
+    p.add_argument("--out", help="output file or folder (default: RUN_DIR/model.safetensors, RUN_DIR/hf/, "
+                                 "RUN_DIR/model.onnx)")
+    p.add_argument("--triton-repo", metavar="DIR", help="with --format onnx: also write Triton's model repository "
+                                                        "(DIR/NAME/1/model.onnx and config.pbtxt)")
     _plan_parser(sub)
     _serve_parser(sub, common)
     _bench_parsers(sub)

@@ -176,6 +176,13 @@ def cmd_export(args, console: Console) -> int:
     from .run.trained import find_run, load_trained
 
     t = load_trained(find_run(args.run_dir), args.device or "cpu")
+    if args.triton_repo and args.format != "onnx":
+        raise UserError(f"--triton-repo writes Triton's layout of an ONNX model: add --format onnx (got --format "
+                        f"{args.format})")
+    if args.format == "hf":
+        return _export_hf(t, args, console)
+    if args.format == "onnx":
+        return _export_onnx(t, args, console)
     out = Path(args.out) if args.out else t.run_dir / "model.safetensors"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -190,6 +197,27 @@ def cmd_export(args, console: Console) -> int:
     else:
         meta.update(_export_tokenizer(t.run_dir, out.parent))
     console.print(f"Wrote {export_safetensors(t.model, out, meta)}")
+    return 0
+
+
+def _export_onnx(t, args, console: Console) -> int:
+    """A classifier run as ONNX (the input `gpudl serve` takes), and Triton's layout of it with --triton-repo."""
+    import dataclasses
+
+    from .interop.onnx import classifier_metadata, export_classifier, write_triton_repo
+
+    if t.spec.family == "gpt":
+        raise UserError(f"--format onnx exports a classifier (the ResNet recipes); {t.run_dir} holds a GPT "
+                        f"({t.spec.name}): export it for transformers and vLLM with --format hf")
+    shape = (t.spec.config.in_channels, t.cfg.data.image_size, t.cfg.data.image_size)  # (C, H, W)
+    source = t.data.train  # an image source normalises with its training part's statistics; synthetic has none
+    meta = {"gpudl_model": t.spec.name, "config": json.dumps(dataclasses.asdict(t.spec.config)), "step": str(t.step),
+            **classifier_metadata(shape, getattr(source, "mean", None), getattr(source, "std", None))}
+    out = export_classifier(t.model, Path(args.out) if args.out else t.run_dir / "model.onnx", shape, meta)
+    console.print(f"Wrote {out}", soft_wrap=True)
+    if args.triton_repo:
+        folder = write_triton_repo(out, Path(args.triton_repo), t.spec.name)
+        console.print(f"Wrote {folder}: tritonserver --model-repository={args.triton_repo} serves it", soft_wrap=True)
     return 0
 
 

@@ -21,6 +21,7 @@ LAYERS = [
     {"data"},
     {"distributed"},
     {"checkpoint", "observe"},
+    {"interop"},  # the way out and in: Hugging Face, ONNX and torchvision layouts of the models
     {"training"},
     {"memory"},
     {"run"},

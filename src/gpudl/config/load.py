@@ -9,7 +9,7 @@ from importlib import resources
 from pathlib import Path, PurePath
 
 from ..errors import UserError, unknown_name
-from .settings import CommandLineValue, from_dict, set_dotted
+from .settings import CommandLineValue, check_value, from_dict, set_dotted
 from .tree import Config, ModelConfig
 
 
@@ -53,9 +53,13 @@ def config_from_dict(data: dict) -> Config:
     if not isinstance(name, str):
         raise UserError(f"model.name must be a string, got {name!r}")
     model.pop("overrides", None)
+    init_from = model.pop("init_from", None)
+    if init_from is not None:  # a path: a --set value is the text as typed
+        init_from = check_value("model.init_from", str, str(init_from) if isinstance(init_from, CommandLineValue)
+                                else init_from)
     # The model family types its own fields (models.resolve); keep plain TOML values here.
     overrides = {k: v.parsed if isinstance(v, CommandLineValue) else v for k, v in model.items()}
-    cfg.model = ModelConfig(name=name, overrides=overrides)
+    cfg.model = ModelConfig(name=name, init_from=init_from, overrides=overrides)
     _check_run_name(cfg.run.name)
     return cfg
 

@@ -22,6 +22,10 @@ from ..errors import UserError
 from ..config.settings import option
 from .attention import sdpa
 
+# The MLP's GELU: its tanh form, GPT-2's own (`gelu_new`), so that the Hugging Face export is exact
+# (`interop/hf.py` refuses to export under any other).
+GELU_APPROXIMATE = "tanh"
+
 
 @dataclass(kw_only=True)
 class GPTConfig:
@@ -107,7 +111,7 @@ class MLP(nn.Module):
         self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return self.proj(F.gelu(self.fc(x), approximate=GELU_APPROXIMATE))
 
 
 class Block(nn.Module):

@@ -32,7 +32,9 @@ from ..training.loop import Job, OutOfMemoryAtOneRow
 from ..training.precision import Precision
 from .autotune import MakeJob, Tuned, tune
 from .fit_loss import eval_fn_for
-from .run_dir import CLI, after_training, keep_tokenizer, kept_tokenizer, recipe_folder, resolve_run, restore_job
+from ..interop.hf import Pretrained, load_into, read_gpt2_folder, with_pretrained_shape
+from .run_dir import (CLI, after_training, keep_tokenizer, kept_tokenizer, recipe_folder, resolve_run, restore_job,
+                      resumed_folder)
 from .runner import Workload
 from .stages import Opened, Prepared, open_run, probe_jobs, run_prepared
 
@@ -49,11 +51,13 @@ class RunResult:
 
 
 def recipe_job(cfg: Config, spec: models.ModelSpec, data: Data, session: Session,
-               precision: Precision) -> tuple[Job, Workload]:
+               precision: Precision, weights: dict | None = None) -> tuple[Job, Workload]:
     """The job of a recipe's model and data (through `build_job`), and what a sample costs.
 
     The model comes on the meta device: FLOPs are counted there, and `parallelize` allocates only
-    what this rank holds (a pipeline rank: its stages), with the whole model's initial values.
+    what this rank holds (a pipeline rank: its stages), with the whole model's initial values, or
+    `weights` (model.init_from's, in gpudl's names) copied in before any sharding, so every layout
+    starts from them.
     """
     meta = models.build_meta(spec)
     micro = tuple(t[:cfg.train.batch_size] for t in data.train.batch(0))
@@ -64,10 +68,18 @@ def recipe_job(cfg: Config, spec: models.ModelSpec, data: Data, session: Session
                 eval_batches=(lambda: first_batches(val, data.eval_batches(cfg.train.eval_batches), device))
                 if val else None, micro_batch=cfg.train.batch_size)
     materialize = functools.partial(models.materialize, device=device, dtype=precision.param_dtype, seed=cfg.run.seed)
+    if weights is not None:
+        materialize = _then_load(materialize, weights)
     job = build_job(models.build_meta(spec), cfg, session, precision, task, materialize)
     work = Workload(spec.name, data.unit, data.units_per_sample, flops // cfg.train.batch_size,
                     n_params=sum(p.numel() for p in meta.parameters()))
     return job, work
+
+
+def _then_load(materialize, weights: dict):
+    def allocate_and_load(model: nn.Module, only=None) -> nn.Module:
+        return load_into(materialize(model, only=only), weights)
+    return allocate_and_load
 
 
 def evaluation_for(spec: models.ModelSpec, model: nn.Module):
@@ -93,14 +105,26 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
     >>> train(cfg, console=Console(quiet=True)).summary["steps"]
     2
     """
+    pre = _pretrained(cfg, resume)
+    if pre is not None:  # the folder's shape, before the plan and the preflight see the model
+        cfg = with_pretrained_shape(cfg, pre)
     with open_run(cfg, console or Console(), plan=planned, shard=lambda c, s, _: shard_wanted(c, s)) as opened:
-        return _train(opened, resume, probe_on_cpu)
+        return _train(opened, resume, probe_on_cpu, pre)
 
 
-def _train(opened: Opened, resume, probe_on_cpu: bool) -> RunResult:
+def _pretrained(cfg: Config, resume) -> Pretrained | None:
+    """model.init_from's folder, read once, for a run that starts; a resumed run continues from its own
+    checkpoint and tokenizer (its config.toml already has the folder's shape), even if the folder is gone."""
+    if cfg.model.init_from is None or resumed_folder(cfg, resume) is not None:
+        return None
+    return read_gpt2_folder(cfg.model.init_from)
+
+
+def _train(opened: Opened, resume, probe_on_cpu: bool, pre: Pretrained | None = None) -> RunResult:
     cfg, session, console = opened.cfg, opened.session, opened.console
     with session.during("plan agreement"):
-        spec, data = model_and_data(cfg, *session.dp, tokenizer=kept_tokenizer(cfg, resume))
+        tokenizer = pre.tokenizer if pre is not None else kept_tokenizer(cfg, resume)
+        spec, data = model_and_data(cfg, *session.dp, tokenizer=tokenizer)
         wanted = recipe_folder(cfg, session) if cfg.run.name or resume != "auto" else None
         run_dir, resuming = astuple(resolve_run(wanted, resume, session, CLI))
     with session.during("model set-up"):
@@ -108,7 +132,7 @@ def _train(opened: Opened, resume, probe_on_cpu: bool) -> RunResult:
         tuned = tune(cfg, session, opened.precision, lambda: _probe(cfg, spec, data, session), probe_on_cpu)
         opened = dataclasses.replace(opened, cfg=tuned.cfg, precision=tuned.precision)
         cfg, precision = opened.cfg, opened.precision
-        job, work = recipe_job(cfg, spec, data, session, precision)
+        job, work = recipe_job(cfg, spec, data, session, precision, pre.state if pre is not None else None)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, model_fingerprint(spec.name, spec.config),
                         is_writer=session.is_writer, watch=session.watch())
 
@@ -121,7 +145,7 @@ def _train(opened: Opened, resume, probe_on_cpu: bool) -> RunResult:
                     restore=lambda ckpt, job: restore_job(ckpt, job, cfg, session.world),
                     write_config=write_config, resume_how=resume_command(session, run_dir),
                     loader_options={"num_workers": cfg.data.num_workers, "cores": max(1, usable_cores() // ranks_here)},
-                    start_lines=_start_lines(session, tuned, spec, work, data, cfg.parallel.fsdp_cpu_offload),
+                    start_lines=_start_lines(session, tuned, spec, work, data, cfg.parallel.fsdp_cpu_offload, pre),
                     leave=lambda job: after_training(cfg, spec, job.model, ckpt, session, run_dir, console),
                     out_of_memory=lambda e: out_of_memory_report(e, cfg, session, precision))
     outcome = run_prepared(opened, prep)
@@ -160,9 +184,12 @@ def resume_command(session: Session, run_dir: Path) -> str:
                        "--resume", str(run_dir)])
 
 
-def _start_lines(session: Session, tuned: Tuned, spec, work: Workload, data: Data, offload: bool) -> list[str]:
+def _start_lines(session: Session, tuned: Tuned, spec, work: Workload, data: Data, offload: bool,
+                 pre: Pretrained | None = None) -> list[str]:
     lines = [f"Precision: {tuned.precision.describe()}", f"Compile: {tuned.compile_note}",
              f"Model: {spec.name}: {models.describe(spec)}; {work.n_params / 1e6:.2f}M parameters"]
+    if pre is not None:
+        lines.append(f"Weights: {pre.describe()}")
     if session.world > 1:
         lines.append(f"Parallel: {session.dims.describe()} over {session.world} processes")
     if offload:
