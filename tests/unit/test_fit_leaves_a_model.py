@@ -46,3 +46,17 @@ def test_a_fit_without_a_run_folder_writes_nothing(tmp_path, monkeypatch):
     x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
     gpudl.fit(torch.nn.Linear(4, 2), (x, y), loss=F.cross_entropy, max_steps=2, batch_size=16, **QUIET)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_commands_on_a_fit_run_say_in_one_line_what_they_need(tmp_path, capsys):
+    from gpudl.cli import main
+
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    run = tmp_path / "run"
+    gpudl.fit(torch.nn.Linear(4, 2), (x, y), loss=F.cross_entropy, max_steps=2, batch_size=16, run_dir=run, **QUIET)
+    capsys.readouterr()
+    for command, need in [("evaluate", "val_data="), ("generate", "in Python"), ("export", "there already")]:
+        assert main([command, str(run)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{run} is a gpudl.fit run" in err and need in err, err
+        assert str(run / "model.safetensors") in err

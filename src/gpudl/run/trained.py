@@ -59,8 +59,23 @@ def _is_fit_run(run: Path) -> bool:
         return False
 
 
-def load_trained(run_dir: Path, device: str = "auto") -> Trained:
-    """Rebuild the run's model on `device` and load the weights of its newest checkpoint."""
+# What a command would need from a gpudl.fit run, whose model is the user's own module (no recipe rebuilds it)
+FIT_RUN_NEEDS = {
+    "evaluate": "evaluate it where its module is: gpudl.fit(model, train_data, val_data=..., resume={run}) with a "
+                "larger max_steps evaluates at its end",
+    "generate": "generate with its module in Python",
+    "export": "its trained weights are there already",
+}
+
+
+def load_trained(run_dir: Path, device: str = "auto", command: str = "") -> Trained:
+    """Rebuild the run's model on `device` and load the weights of its newest checkpoint; a fit run's
+    folder gets one line saying what `command` would need instead."""
+    if _is_fit_run(run_dir):
+        left = next((p for p in (run_dir / "model", run_dir / "model.safetensors") if p.exists()), None)
+        what = f"its model is your own module, saved in {left}" if left else "its model is your own module"
+        raise UserError(f"{run_dir} is a gpudl.fit run ({what}): "
+                        f"{FIT_RUN_NEEDS.get(command, 'load it in Python').format(run=repr(str(run_dir)))}")
     cfg = load_config(run_dir / "config.toml")
     info = detect(device)
     spec, data = model_and_data(cfg, tokenizer=run_tokenizer(run_dir))  # the run's text as it trained on it
