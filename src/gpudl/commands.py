@@ -51,6 +51,7 @@ def cmd_info(args, console: Console) -> int:
 def train_config(args):
     """The config `gpudl train` means: a resumed run's own config.toml, else the recipe (the default one
     without --config); --set, --device and --precision on top."""
+    from .interop.hf import pretrained_shape
     from .run.run_dir import resumed_folder
 
     sets = list(args.sets)
@@ -74,7 +75,7 @@ def train_config(args):
     run = resumed_folder(cfg, args.resume) if args.resume == "auto" else None
     if run is not None and (run / "config.toml").is_file():  # a restarted worker: the run as its first attempt was
         return load_config(run / "config.toml", sets)
-    return cfg
+    return pretrained_shape(cfg)  # model.init_from: the folder's shape, for the launcher's preflight and plan too
 
 
 def print_config(cfg) -> int:
@@ -112,7 +113,7 @@ def cmd_generate(args, console: Console) -> int:
     from .run.sample import UnknownToken, sample_text
     from .run.trained import find_run, load_trained
 
-    t = load_trained(find_run(args.run_dir), args.device or "auto")
+    t = load_trained(find_run(args.run_dir), args.device or "auto", "generate")
     if not t.spec.is_language_model:
         raise UserError(f"{t.run_dir} trained {t.spec.name}, not a language model: generate needs a GPT run")
     if args.tokens < 1 or not args.temperature >= 0 or args.top_k < 0:  # `not >=`: NaN is refused too
@@ -144,7 +145,7 @@ def cmd_evaluate(args, console: Console) -> int:
     from .run.recipe import evaluation_for
     from .run.trained import find_run, load_trained
 
-    t = load_trained(find_run(args.run_dir), args.device or "auto")
+    t = load_trained(find_run(args.run_dir), args.device or "auto", "evaluate")
     if t.data.val is None:
         raise UserError(f"{t.run_dir}'s data has no validation part ({t.data.no_val}), then train again")
     if args.batches < 1:
@@ -175,7 +176,7 @@ def cmd_export(args, console: Console) -> int:
     from .checkpoint import export_safetensors
     from .run.trained import find_run, load_trained
 
-    t = load_trained(find_run(args.run_dir), args.device or "cpu")
+    t = load_trained(find_run(args.run_dir), args.device or "cpu", "export")
     if args.triton_repo and args.format != "onnx":
         raise UserError(f"--triton-repo writes Triton's layout of an ONNX model: add --format onnx (got --format "
                         f"{args.format})")
@@ -197,6 +198,19 @@ def cmd_export(args, console: Console) -> int:
     else:
         meta.update(_export_tokenizer(t.run_dir, out.parent))
     console.print(f"Wrote {export_safetensors(t.model, out, meta)}")
+    return 0
+
+
+def _export_hf(t, args, console: Console) -> int:
+    """A GPT run as Hugging Face's GPT2LMHeadModel folder with its tokenizer (transformers, vLLM)."""
+    from .data.tokenizer import run_tokenizer
+    from .interop.hf import export_hf
+
+    out = Path(args.out) if args.out else t.run_dir / "hf"
+    if out.resolve() == t.run_dir.resolve() or out.is_file():  # its tokenizer.json would change how the run reads text
+        raise UserError(f"--out {str(out)!r}: --format hf writes a folder of its own: e.g. --out {t.run_dir / 'hf'}")
+    console.print(f"Wrote {export_hf(t.model, run_tokenizer(t.run_dir), out)}: transformers' "
+                  f"AutoModelForCausalLM.from_pretrained and vllm serve read it", soft_wrap=True)
     return 0
 
 

@@ -77,6 +77,8 @@ def recipe_job(cfg: Config, spec: models.ModelSpec, data: Data, session: Session
 
 
 def _then_load(materialize, weights: dict):
+    """`materialize`, then model.init_from's weights copied in: `parallelize` calls it where the model is
+    still whole (before tp, FSDP or DDP; a pipeline rank's share), so every layout splits those weights."""
     def allocate_and_load(model: nn.Module, only=None) -> nn.Module:
         return load_into(materialize(model, only=only), weights)
     return allocate_and_load
@@ -107,7 +109,7 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
     """
     pre = _pretrained(cfg, resume)
     if pre is not None:  # the folder's shape, before the plan and the preflight see the model
-        cfg = with_pretrained_shape(cfg, pre)
+        cfg = with_pretrained_shape(cfg, pre.folder, pre.fields)
     with open_run(cfg, console or Console(), plan=planned, shard=lambda c, s, _: shard_wanted(c, s)) as opened:
         return _train(opened, resume, probe_on_cpu, pre)
 
