@@ -51,7 +51,7 @@ def cmd_info(args, console: Console) -> int:
 def train_config(args):
     """The config `gpudl train` means: a resumed run's own config.toml, else the recipe (the default one
     without --config); --set, --device and --precision on top."""
-    from .interop.hf import pretrained_shape
+    from .interop.init_from import source_shape
     from .run.run_dir import resumed_folder
 
     sets = list(args.sets)
@@ -75,7 +75,7 @@ def train_config(args):
     run = resumed_folder(cfg, args.resume) if args.resume == "auto" else None
     if run is not None and (run / "config.toml").is_file():  # a restarted worker: the run as its first attempt was
         return load_config(run / "config.toml", sets)
-    return pretrained_shape(cfg)  # model.init_from: the folder's shape, for the launcher's preflight and plan too
+    return source_shape(cfg)  # model.init_from: the source's model settings, for the launcher's preflight and plan too
 
 
 def print_config(cfg) -> int:

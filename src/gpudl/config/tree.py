@@ -30,10 +30,10 @@ class ModelConfig:
     """A preset name plus overrides of that preset's own fields (checked by the model family)."""
 
     name: str = option("gpt-tiny", "model preset; `gpudl info --models` lists them")
-    init_from: str | None = option(None, "a Hugging Face GPT-2 folder (config.json and model.safetensors or "
-                                         "pytorch_model.bin) to start from: its config sets the GPT's shape, its "
-                                         "weights are loaded before step 1, its tokenizer becomes the run's "
-                                         "(docs/interop.md)")
+    init_from: str | None = option(None, "weights to fine-tune from, loaded before step 1 (a new optimizer, step 0): "
+                                         "a Hugging Face GPT-2 folder, a torchvision ResNet state dict (.safetensors, "
+                                         ".pth), a gpudl run folder or export; all but torchvision's set the model's "
+                                         "settings, a GPT's its tokenizer (docs/interop.md)")
     overrides: dict[str, Any] = field(default_factory=dict, metadata={"doc": "preset fields to change"})
 
 

@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pickle
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .. import models
-from ..config import Config
-from ..data.tokenizer import FILE, ByteTokenizer, Tokenizer
+from ..data.tokenizer import FILE, Tokenizer
 from ..errors import UserError
 from ..models import gpt
 from ..models.gpt import GPT, GPTConfig
 from .hf_tokenizer import folder_tokenizer, hf_tokenizer_json, tokenizer_config
+from .pretrained import Pretrained, read_pickle, read_safetensors
 
 ARCHITECTURE = "GPT2LMHeadModel"
 # GELU's tanh form under the names transformers gives it (gpt.GELU_APPROXIMATE is gpudl's).
@@ -152,23 +149,6 @@ _SAID = {
 
 # ---- in: a Hugging Face GPT-2 folder as a run's starting point (model.init_from) ----
 
-@dataclass
-class Pretrained:
-    """What `model.init_from` brings: the GPTConfig fields its config.json implies, its weights in
-    gpudl's names, and its tokenizer (None: the folder has none, data.tokenizer decides)."""
-
-    folder: Path
-    fields: dict
-    state: dict[str, torch.Tensor]
-    weights_file: str
-    tokenizer: Tokenizer | None
-
-    def describe(self) -> str:
-        tok = "bytes" if isinstance(self.tokenizer, ByteTokenizer) else \
-            Path(self.tokenizer.name).name if self.tokenizer else "none in the folder (data.tokenizer)"
-        return f"{ARCHITECTURE} from {self.folder} ({self.weights_file}); tokenizer: {tok}"
-
-
 def read_gpt2_folder(folder: str | Path) -> Pretrained:
     """A Hugging Face GPT-2 folder read and checked: each bad input is one line naming what is wrong."""
     folder = Path(folder)
@@ -176,7 +156,7 @@ def read_gpt2_folder(folder: str | Path) -> Pretrained:
     weights, file = read_weights(folder)
     cfg = GPTConfig(**fields)
     check_shapes(weights, cfg, folder / file)
-    return Pretrained(folder, fields, from_gpt2(weights, cfg), file, folder_tokenizer(folder))
+    return Pretrained(folder, ARCHITECTURE, "gpt", fields, from_gpt2(weights, cfg), file, folder_tokenizer(folder))
 
 
 def _read_config(folder: Path) -> dict:
@@ -253,15 +233,7 @@ def read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
 
 
 def _safetensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        from safetensors.torch import load_file
-    except ImportError:
-        raise UserError("model.init_from needs the safetensors package: pip install 'gpudl[export]'") from None
-    try:
-        return load_file(str(path))  # tensors only: nothing in the file can run
-    except Exception as e:  # safetensors raises its own error type for a damaged file
-        raise UserError(f"model.init_from: {path} is not a readable safetensors file ({str(e)[:120]}): "
-                        f"save the model again") from None
+    return read_safetensors(path, "save the model again")
 
 
 def _shards(index: Path) -> list[str]:
@@ -276,22 +248,7 @@ def _shards(index: Path) -> list[str]:
 
 
 def _torch_load(path: Path) -> dict[str, torch.Tensor]:
-    """pytorch_model.bin through torch.load(weights_only=True): tensors and plain containers only, so
-    a pickle that would build any other object (and could run code) is refused, not run."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        # torch's message is paragraphs (and suggests weights_only=False): keep only the line saying what it met
-        said = [line.strip() for line in str(e).splitlines() if "Unsupported" in line or "WeightsUnpickler" in line]
-        raise UserError(f"model.init_from: {path} holds more than tensors, so torch.load(weights_only=True) refuses "
-                        f"it ({(said or ['not a weights-only pickle'])[0][:160]}): save the model with "
-                        f"save_pretrained (safetensors)") from None
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
-        raise UserError(f"model.init_from: {path} is not a readable PyTorch file ({str(e)[:120]}): save the "
-                        f"model again") from None
-    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-        raise UserError(f"model.init_from: {path} is not a state dict of tensors: save the model with save_pretrained")
-    return state
+    return read_pickle(path, "save the model with save_pretrained (safetensors)")
 
 
 def check_shapes(weights: dict[str, torch.Tensor], cfg: GPTConfig, file: Path) -> None:
@@ -311,35 +268,6 @@ def check_shapes(weights: dict[str, torch.Tensor], cfg: GPTConfig, file: Path) -
                         f"{ARCHITECTURE} does not have: the weights are of another model")
 
 
-def with_pretrained_shape(cfg: Config, folder: Path, fields: dict) -> Config:
-    """`cfg` with its model section taken from the folder's GPTConfig `fields`: a recipe or --set value
-    that contradicts them is named, since the weights fix the shape."""
-    family = models.PRESETS.get(cfg.model.name, ("?",))[0]
-    if family != "gpt":
-        raise UserError(f"model.init_from={str(folder)!r} is a GPT-2 but model.name={cfg.model.name!r} is not "
-                        f"a GPT: set --set model.name=gpt2-124m (any GPT preset: the folder sets its shape)")
-    for key, value in fields.items():
-        ours = cfg.model.overrides.get(key, value)
-        if ours != value:
-            raise UserError(f"model.{key}={ours} contradicts {folder / 'config.json'}, whose model has "
-                            f"{key}={value}: drop the setting (model.init_from sets the model's shape)")
-    model = dataclasses.replace(cfg.model, overrides={**cfg.model.overrides, **fields})
-    return dataclasses.replace(cfg, model=model)
-
-
-def pretrained_shape(cfg: Config) -> Config:
-    """`cfg` with model.init_from's shape, read from config.json alone: what `gpudl plan` sizes."""
-    if cfg.model.init_from is None:
-        return cfg
-    folder = Path(cfg.model.init_from)
-    return with_pretrained_shape(cfg, folder, gpt_fields(_read_config(folder), folder))
-
-
-@torch.no_grad()
-def load_into(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
-    """Copy `state` into the parameters this process allocated (a pipeline rank's others stay on the
-    meta device), casting to their dtype; a tied head is the embedding, copied once."""
-    for name, p in model.named_parameters():
-        if not p.is_meta:
-            p.copy_(state[name])
-    return model
+def folder_shape(folder: Path) -> Pretrained:
+    """The folder's model settings from config.json alone (no weights read): what `gpudl plan` sizes."""
+    return Pretrained(folder, ARCHITECTURE, "gpt", gpt_fields(_read_config(folder), folder), {}, "config.json")

@@ -32,7 +32,8 @@ from ..training.loop import Job, OutOfMemoryAtOneRow
 from ..training.precision import Precision
 from .autotune import MakeJob, Tuned, tune
 from .fit_loss import eval_fn_for
-from ..interop.hf import Pretrained, load_into, read_gpt2_folder, with_pretrained_shape
+from ..interop.init_from import read_source, with_source
+from ..interop.pretrained import Pretrained, load_into, weights_for
 from .run_dir import (CLI, after_training, keep_tokenizer, kept_tokenizer, recipe_folder, resolve_run, restore_job,
                       resumed_folder)
 from .runner import Workload
@@ -108,18 +109,20 @@ def train(cfg: Config, resume: str | Path | None = None, console: Console | None
     2
     """
     pre = _pretrained(cfg, resume)
-    if pre is not None:  # the folder's shape, before the plan and the preflight see the model
-        cfg = with_pretrained_shape(cfg, pre.folder, pre.fields)
+    if pre is not None:  # the source's model settings, before the plan and the preflight see the model
+        cfg = with_source(cfg, pre)
     with open_run(cfg, console or Console(), plan=planned, shard=lambda c, s, _: shard_wanted(c, s)) as opened:
         return _train(opened, resume, probe_on_cpu, pre)
 
 
 def _pretrained(cfg: Config, resume) -> Pretrained | None:
-    """model.init_from's folder, read once, for a run that starts; a resumed run continues from its own
-    checkpoint and tokenizer (its config.toml already has the folder's shape), even if the folder is gone."""
+    """model.init_from's source (interop/init_from.py: a Hugging Face folder, a torchvision state dict, a
+    gpudl run or export), read once, for a run that starts: a fine-tune, with a new optimizer, schedule
+    and step 0. A resumed run continues from its own checkpoint and tokenizer (its config.toml already
+    has the source's settings), even if the source is gone."""
     if cfg.model.init_from is None or resumed_folder(cfg, resume) is not None:
         return None
-    return read_gpt2_folder(cfg.model.init_from)
+    return read_source(cfg.model.init_from)
 
 
 def _train(opened: Opened, resume, probe_on_cpu: bool, pre: Pretrained | None = None) -> RunResult:
@@ -134,7 +137,8 @@ def _train(opened: Opened, resume, probe_on_cpu: bool, pre: Pretrained | None = 
         tuned = tune(cfg, session, opened.precision, lambda: _probe(cfg, spec, data, session), probe_on_cpu)
         opened = dataclasses.replace(opened, cfg=tuned.cfg, precision=tuned.precision)
         cfg, precision = opened.cfg, opened.precision
-        job, work = recipe_job(cfg, spec, data, session, precision, pre.state if pre is not None else None)
+        weights, notes = weights_for(pre, spec) if pre is not None else (None, [])
+        job, work = recipe_job(cfg, spec, data, session, precision, weights)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, model_fingerprint(spec.name, spec.config),
                         is_writer=session.is_writer, watch=session.watch())
 
@@ -147,7 +151,8 @@ def _train(opened: Opened, resume, probe_on_cpu: bool, pre: Pretrained | None = 
                     restore=lambda ckpt, job: restore_job(ckpt, job, cfg, session.world),
                     write_config=write_config, resume_how=resume_command(session, run_dir),
                     loader_options={"num_workers": cfg.data.num_workers, "cores": max(1, usable_cores() // ranks_here)},
-                    start_lines=_start_lines(session, tuned, spec, work, data, cfg.parallel.fsdp_cpu_offload, pre),
+                    start_lines=_start_lines(session, tuned, spec, work, data, cfg.parallel.fsdp_cpu_offload, pre,
+                                             notes),
                     leave=lambda job: after_training(cfg, spec, job.model, ckpt, session, run_dir, console),
                     out_of_memory=lambda e: out_of_memory_report(e, cfg, session, precision))
     outcome = run_prepared(opened, prep)
@@ -187,11 +192,11 @@ def resume_command(session: Session, run_dir: Path) -> str:
 
 
 def _start_lines(session: Session, tuned: Tuned, spec, work: Workload, data: Data, offload: bool,
-                 pre: Pretrained | None = None) -> list[str]:
+                 pre: Pretrained | None = None, notes: list[str] = ()) -> list[str]:
     lines = [f"Precision: {tuned.precision.describe()}", f"Compile: {tuned.compile_note}",
              f"Model: {spec.name}: {models.describe(spec)}; {work.n_params / 1e6:.2f}M parameters"]
     if pre is not None:
-        lines.append(f"Weights: {pre.describe()}")
+        lines += [f"Weights: {pre.describe()}", *notes]
     if session.world > 1:
         lines.append(f"Parallel: {session.dims.describe()} over {session.world} processes")
     if offload:
