@@ -174,12 +174,15 @@ def cmd_export(args, console: Console) -> int:
     import dataclasses
 
     from .checkpoint import export_safetensors
-    from .run.trained import find_run, load_trained
+    from .run.trained import find_run, is_fit_run, load_trained
 
-    t = load_trained(find_run(args.run_dir), args.device or "cpu", "export")
     if args.triton_repo and args.format != "onnx":
         raise UserError(f"--triton-repo writes Triton's layout of an ONNX model: add --format onnx (got --format "
                         f"{args.format})")
+    run = find_run(args.run_dir)
+    if args.format == "onnx" and is_fit_run(run):
+        return _export_fit_onnx(run, args, console)
+    t = load_trained(run, args.device or "cpu", "export")
     if args.format == "hf":
         return _export_hf(t, args, console)
     if args.format == "onnx":
@@ -233,6 +236,44 @@ def _export_onnx(t, args, console: Console) -> int:
         folder = write_triton_repo(out, Path(args.triton_repo), t.spec.name)
         console.print(f"Wrote {folder}: tritonserver --model-repository={args.triton_repo} serves it", soft_wrap=True)
     return 0
+
+
+def _export_fit_onnx(run: Path, args, console: Console) -> int:
+    """A gpudl.fit run's model.onnx (written by the fit itself: its module is the user's, which no recipe
+    rebuilds), copied to --out, and Triton's layout of it with --triton-repo."""
+    import shutil
+
+    from .interop.onnx import write_triton_repo
+    from .run.fit_onnx import ONNX
+
+    found = run / ONNX
+    if not found.is_file() or not found.resolve().is_relative_to(run.resolve()):
+        raise UserError(f"{run} is a gpudl.fit run without {ONNX} (its fit said why in its last lines): fit with "
+                        f"run_dir= on (input tensor, target) batches with loss= and fit writes it, or export your "
+                        f"module with torch.onnx.export")
+    out = Path(args.out) if args.out else found
+    if out.is_dir():
+        raise UserError(f"--out {str(out)!r} is a folder: give a file name, e.g. {out / ONNX}")
+    if out.resolve() != found.resolve():
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(found, out)
+        except OSError as e:
+            raise UserError(f"--out {str(out)!r}: cannot write it ({e.strerror or e}): choose a place you can write") from e
+    console.print(f"Wrote {out}" if out.resolve() != found.resolve() else f"{found} is there already (gpudl.fit wrote it)",
+                  soft_wrap=True)
+    if args.triton_repo:
+        folder = write_triton_repo(out, Path(args.triton_repo), _fit_model_name(out))
+        console.print(f"Wrote {folder}: tritonserver --model-repository={args.triton_repo} serves it", soft_wrap=True)
+    return 0
+
+
+def _fit_model_name(onnx_file: Path) -> str:
+    """The module's class, as the fit recorded it in the file's metadata (what gpudl serve calls it too)."""
+    import onnx
+
+    meta = {p.key: p.value for p in onnx.load(str(onnx_file), load_external_data=False).metadata_props}
+    return meta.get("gpudl_fit_model", "model").rsplit(".", 1)[-1]
 
 
 def _export_tokenizer(run_dir: Path, folder: Path) -> dict[str, str]:

@@ -7,6 +7,9 @@ normalisation travel in the model's `metadata_props` (a client that has only the
 pixels); `--triton-repo DIR` lays the file out as Triton's `--model-repository` reads it:
 DIR/NAME/config.pbtxt and DIR/NAME/1/model.onnx. docs/interop.md shows both in use.
 
+A `gpudl.fit` run leaves its module the same way (`export_module`, run/fit_onnx.py): one FP32 tensor
+`input` (N, ...) -> `output` (N, ...), N dynamic, traced on one batch of its training data.
+
 Exported by torch's own exporter (`torch.onnx.export(dynamo=True)`, which needs `onnx` and
 `onnxscript`: the `onnx` extra), on the CPU in fp32.
 """
@@ -31,6 +34,9 @@ from ..errors import UserError
 # The names `gpudl serve` gives a classifier's tensors (serve/load.py `Loaded.inputs`/`outputs`);
 # tests/unit/test_onnx_export.py holds the two to each other.
 INPUT, OUTPUT = "input", "logits"
+# A gpudl.fit module's output (not always logits: a regression's values, an embedding): `gpudl serve`
+# names the outputs of a served model.onnx as its graph does.
+FIT_OUTPUT = "output"
 # Triton's dynamic batcher, set as `gpudl serve`'s own defaults (--max-batch-size, --max-queue-delay-ms).
 MAX_BATCH_SIZE, MAX_QUEUE_DELAY_US = 32, 5000
 # ONNX element types (onnx.TensorProto.DataType names) -> Triton's DataType (model_config.proto).
@@ -59,16 +65,24 @@ def export_classifier(model: nn.Module, out: Path, input_shape: tuple[int, int, 
                       metadata: dict[str, str]) -> Path:
     """Write `model` (images (N, C, H, W) -> logits (N, K)) to the ONNX file `out`, batch axis dynamic,
     `metadata` in its metadata_props. The model is moved to the CPU in fp32 and put in eval mode."""
-    missing = [name for name in ("onnx", "onnxscript") if find_spec(name) is None]
-    if missing:
-        raise UserError(f"--format onnx needs {' and '.join(missing)}, which torch.onnx.export uses: "
-                        f"pip install 'gpudl[onnx]'")
+    example = torch.zeros(2, *input_shape)  # (N, C, H, W); 2, not 1: a size-1 axis would be fixed as 1
+    return export_module(model, example, out, metadata)
+
+
+def export_module(model: nn.Module, example: torch.Tensor, out: Path, metadata: dict[str, str],
+                  input_name: str = INPUT, output_name: str = OUTPUT, asked_by: str = "--format onnx") -> Path:
+    """Write `model` (one tensor (N, ...) -> one tensor (N, ...)) to the ONNX file `out`, traced on
+    `example` (N >= 2: a size-1 axis would be fixed as 1), its first axis dynamic in the input and the
+    output, `metadata` in its metadata_props. The model is moved to the CPU in fp32 and put in eval mode
+    (give a copy where the caller's module must stay where it is). `asked_by` names what wanted the file
+    in the line that says what is missing."""
+    _check_exporter(asked_by)
     out = _file(out)
     model = model.to("cpu", torch.float32).eval()
-    example = torch.zeros(2, *input_shape)  # (N, C, H, W); 2, not 1: a size-1 axis would be fixed as 1
+    example = example.to("cpu", torch.float32)
     batch = torch.export.Dim("batch", min=1)
     with _quiet(), torch.no_grad():
-        program = torch.onnx.export(model, (example,), None, input_names=[INPUT], output_names=[OUTPUT],
+        program = torch.onnx.export(model, (example,), None, input_names=[input_name], output_names=[output_name],
                                     dynamic_shapes=({0: batch},), dynamo=True, external_data=False,
                                     verbose=False)
     program.model.metadata_props.update(metadata)
@@ -81,6 +95,13 @@ def export_classifier(model: nn.Module, out: Path, input_shape: tuple[int, int, 
         raise UserError(f"could not write {out} ({e.strerror or e}): choose a place with room that you can "
                         f"write") from e
     return out
+
+
+def _check_exporter(what: str) -> None:
+    missing = [name for name in ("onnx", "onnxscript") if find_spec(name) is None]
+    if missing:
+        raise UserError(f"{what} needs {' and '.join(missing)}, which torch.onnx.export uses: "
+                        f"pip install 'gpudl[onnx]'")
 
 
 def _file(out: Path) -> Path:

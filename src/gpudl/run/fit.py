@@ -38,6 +38,7 @@ from ..training.micro import micro_batches, rows
 from ..training.precision import Precision
 from .autotune import MakeJob, tune
 from .fit_loss import eval_fn_for, loss_fn_for
+from .fit_onnx import serving_input
 from .fit_resume import check_same_run, fit_table, fit_toml, leave_model, module_fingerprint, restore, resume_call
 from .run_dir import FIT, RunFolder, resolve_run
 from .runner import Workload
@@ -317,6 +318,7 @@ def _fit(user: _UserParts, opened: Opened, run: RunFolder) -> FitResult:
         _check_replayable(source)
         check_same_run(run.folder, table, session)
     loss_fn = loss_fn_for(user.loss, user.model)
+    serving = serving_input(first, user.loss)  # its first rows, kept to export the trained module at the end
     if cfg.train.plan == "auto":
         cfg, drawing = _planned(user.model, loss_fn, first, cfg, session, console, drawing)
     # precision and compile "auto" on a GPU: timed on copies of the model before it is placed
@@ -337,7 +339,8 @@ def _fit(user: _UserParts, opened: Opened, run: RunFolder) -> FitResult:
                     restore=lambda ckpt, job: restore(ckpt, job, cfg, session),
                     write_config=lambda cfg: (run.folder / "config.toml").write_text(fit_toml(cfg, table)),
                     resume_how=resume_call(run.folder),
-                    leave=(lambda job: leave_model(user.model, job.model, run.folder, session, console))
+                    leave=(lambda job: leave_model(user.model, job.model, run.folder, session, console,
+                                                   serving))
                     if run.folder is not None else None,
                     start_lines=[f"Precision: {prec.describe()}", f"Compile: {tuned.compile_note}"]
                     if tuned.probed else [])

@@ -106,9 +106,12 @@ def resume_call(folder: Path | None) -> str:
     return f"gpudl.fit(model, train_data, ..., resume={str(folder)!r}), the same model, data and settings"
 
 
-def leave_model(model: nn.Module, placed: nn.Module, folder: Path, session: Session, console) -> Path | None:
+def leave_model(model: nn.Module, placed: nn.Module, folder: Path, session: Session, console,
+                serving: tuple = (None, "")) -> Path | None:
     """What a finished fit leaves for other tools in its folder: a Hugging Face model's own `save_pretrained`
-    folder (`model/`, which `from_pretrained` loads), any other module's weights as `model.safetensors`.
+    folder (`model/`, which `from_pretrained` loads), any other module's weights as `model.safetensors` and,
+    where the exporter takes it, `model.onnx` for `gpudl serve` (fit_onnx.py; `serving` is
+    fit_onnx.serving_input's (input, why not) of a training batch).
     `placed` is the module as trained (wrapped by DDP or sharded by FSDP); its whole state is gathered on
     every rank (a collective) and written by rank 0. Returns what was written (None on other ranks)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -121,9 +124,13 @@ def leave_model(model: nn.Module, placed: nn.Module, folder: Path, session: Sess
         model.save_pretrained(out, state_dict=whole, safe_serialization=True)
     else:
         from ..checkpoint import export_safetensors
+        from .fit_onnx import leave_onnx
 
-        out = export_safetensors(model, folder / "model.safetensors",
-                                 {"gpudl_fit_model": module_fingerprint(model)["name"]}, state=whole)
+        name = module_fingerprint(model)["name"]
+        out = export_safetensors(model, folder / "model.safetensors", {"gpudl_fit_model": name}, state=whole)
+        console.print(f"Model: {out}", markup=False)
+        leave_onnx(model, *serving, folder, name, console)
+        return out
     console.print(f"Model: {out}", markup=False)
     return out
 

@@ -41,7 +41,7 @@ def find_run(run_dir: str | None, runs_root: str = "runs", fit_runs: bool = Fals
     runs = [p for p in root.iterdir() if (p / "config.toml").is_file()] if root.is_dir() else []
     if not runs:
         raise UserError(f"no run folder under {runs_root}/: train one first (gpudl train) or pass RUN_DIR")
-    usable = [p for p in runs if fit_runs or not _is_fit_run(p)]
+    usable = [p for p in runs if fit_runs or not is_fit_run(p)]
     if not usable:
         skipped = ", ".join(str(p) for p in sorted(runs)[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
         raise UserError(f"no run folder under {runs_root}/ that a recipe made: {skipped} ran gpudl.fit, whose model "
@@ -49,7 +49,7 @@ def find_run(run_dir: str | None, runs_root: str = "runs", fit_runs: bool = Fals
     return max(usable, key=lambda p: p.stat().st_mtime)
 
 
-def _is_fit_run(run: Path) -> bool:
+def is_fit_run(run: Path) -> bool:
     """Whether `gpudl.fit` wrote this run folder: run/fit_resume.py writes its settings as a [fit] table."""
     import tomllib
 
@@ -71,7 +71,7 @@ FIT_RUN_NEEDS = {
 def load_trained(run_dir: Path, device: str = "auto", command: str = "") -> Trained:
     """Rebuild the run's model on `device` and load the weights of its newest checkpoint; a fit run's
     folder gets one line saying what `command` would need instead."""
-    if _is_fit_run(run_dir):
+    if is_fit_run(run_dir):
         left = next((p for p in (run_dir / "model", run_dir / "model.safetensors") if p.exists()), None)
         what = f"its model is your own module, saved in {left}" if left else "its model is your own module"
         raise UserError(f"{run_dir} is a gpudl.fit run ({what}): "

@@ -31,16 +31,17 @@ class _Infer(Request):
 
 
 class BatchingEngine(Engine):
-    """Runs a classifier (images (N, C, H, W) -> logits (N, K)) on batches gathered from concurrent requests.
+    """Runs a classifier (images (N, C, H, W) -> logits (N, K)), or any model of one batched tensor
+    (N, ...) -> (N, ...) given its `input_shape`, on batches gathered from concurrent requests.
 
     `dtype`: what inputs are cast to on the device (default: the model's parameter dtype).
-    `input_shape`: (C, H, W) every request must have; None accepts any, and a batch then joins only
+    `input_shape`: (C, H, W) (or a fit model's shape after N) every request must have; None accepts any, and a batch then joins only
     requests of the first one's shape. `input_name` names the input in BadInput errors.
     """
 
     def __init__(self, model: nn.Module, device: torch.device | str, *, max_batch_size: int = 32,
                  max_queue_delay_ms: float = 5.0, max_queue: int = 256, dtype: torch.dtype | None = None,
-                 input_shape: tuple[int, int, int] | None = None, input_name: str = "input"):
+                 input_shape: tuple[int, ...] | None = None, input_name: str = "input"):
         super().__init__(model, device, max_batch_size, max_queue)
         if max_queue_delay_ms < 0:
             raise ValueError(f"max_queue_delay_ms must be >= 0, got {max_queue_delay_ms}")
@@ -73,14 +74,18 @@ class BatchingEngine(Engine):
             raise BadInput(name, f"expected a tensor, got {type(x).__name__}")
         if x.dtype != torch.float32 or x.device.type != "cpu":
             raise BadInput(name, f"expected float32 values on the CPU, got {x.dtype} on {x.device}: send FP32")
-        if x.dim() != 4:
+        images = self.input_shape is None or len(self.input_shape) == 3
+        if images and x.dim() != 4:
             raise BadInput(name, f"expected shape (N, C, H, W), got {list(x.shape)}: send a batch of images")
+        if not images and x.dim() != 1 + len(self.input_shape):
+            raise BadInput(name, f"expected shape {[-1, *self.input_shape]}, got {list(x.shape)}: send a batch of rows")
         if not 1 <= len(x) <= n:
             raise BadInput(name, f"batch of {len(x)} rows; this server takes 1 to {n} (max_batch_size) per request")
         if self.input_shape is not None and tuple(x.shape[1:]) != self.input_shape:
             want = [-1, *self.input_shape]
-            raise BadInput(name, f"expected shape {want}, got {list(x.shape)}: resize the images to "
-                                 f"{self.input_shape[1]}x{self.input_shape[2]} with {self.input_shape[0]} channels")
+            fix = (f"resize the images to {self.input_shape[1]}x{self.input_shape[2]} with {self.input_shape[0]} "
+                   f"channels" if images else "send rows of the shape the model was fitted on")
+            raise BadInput(name, f"expected shape {want}, got {list(x.shape)}: {fix}")
 
     def _run(self) -> None:
         while (batch := self._next_batch()) is not None:

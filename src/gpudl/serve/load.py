@@ -5,7 +5,9 @@ What `path` may be:
   it, `config.toml`; the weights come from the safetensors file;
 - a run folder without `model.safetensors` (a run still training): its newest complete checkpoint,
   read through gpudl's checkpoint reader, which never runs code from the files;
-- a `.safetensors` file whose metadata names the model (`gpudl_model`, `config`), as `gpudl export --out` writes.
+- a `.safetensors` file whose metadata names the model (`gpudl_model`, `config`), as `gpudl export --out` writes;
+- a `gpudl.fit` run folder (config.toml has a [fit] table): its `model.onnx`, run by onnxruntime
+  (onnx_model.py), since no preset rebuilds a user's own module from its weights.
 
 A GPT's tokenizer is the `tokenizer.json` beside the weights (a run folder keeps it, `gpudl export`
 copies it), else bytes. An export records which it was trained with (`tokenizer`, and the file's
@@ -51,31 +53,38 @@ class Loaded:
     `vocab_size` and `tokenizer` are set."""
 
     model: nn.Module
-    spec: models.ModelSpec
+    spec: models.ModelSpec | None  # None: a fit run's model.onnx (kind "onnx"), whose graph is not a preset
     device: torch.device
     device_label: str              # e.g. "cuda:0 (NVIDIA H100)"
     dtype: torch.dtype
     name: str                      # what clients call the model
-    kind: str                      # "classifier" | "gpt"
+    kind: str                      # "classifier" | "gpt" | "onnx" (batched like a classifier)
     source: str                    # where the weights came from (a file, or a checkpoint folder)
-    input_shape: tuple[int, int, int] | None = None
+    input_shape: tuple[int, ...] | None = None
     input_dtype: torch.dtype | None = None
     context_length: int | None = None
     vocab_size: int | None = None
     tokenizer: Tokenizer | None = None
+    tensors: tuple[list[TensorSpec], list[TensorSpec]] | None = None  # (inputs, outputs) as the ONNX graph names them
 
     @property
     def describe(self) -> str:
+        if self.spec is None:
+            return f"{self.name} as ONNX, fp32, from {self.source}"
         return f"{models.describe(self.spec)}, {str(self.dtype).removeprefix('torch.')}, from {self.source}"
 
     @property
     def inputs(self) -> list[TensorSpec]:
+        if self.tensors is not None:
+            return self.tensors[0]
         if self.kind == "gpt":
             return [TensorSpec("text_input", "BYTES", [-1])]
         return [TensorSpec("input", "FP32", [-1, *self.input_shape])]
 
     @property
     def outputs(self) -> list[TensorSpec]:
+        if self.tensors is not None:
+            return self.tensors[1]
         if self.kind == "gpt":
             return [TensorSpec("text_output", "BYTES", [-1])]
         return [TensorSpec("logits", "FP32", [-1, self.spec.config.num_classes])]
@@ -90,6 +99,13 @@ def load_model(path: str | Path | None, device: str = "auto", precision: str = "
     from ..device import detect
 
     info = detect(device)
+    fit = _fit_run(path)
+    if fit is not None:  # a user's own module: its ONNX graph serves, not a preset rebuilt from weights
+        from .onnx_model import ONNX, open_fit_onnx
+
+        loaded = Loaded(**open_fit_onnx(fit, _inside(fit, ONNX), info, precision))
+        loaded.name = _name(loaded.name)
+        return loaded
     dtype = serving_dtype(precision, info)
     spec, model, source, folder, meta = _read(path, info.torch_device)
     model = model.to(dtype).eval().requires_grad_(False)
@@ -102,6 +118,13 @@ def load_model(path: str | Path | None, device: str = "auto", precision: str = "
     image_size = _image_size(folder, meta, spec)
     shape = (spec.config.in_channels, image_size, image_size)
     return Loaded(**common, kind="classifier", input_shape=shape, input_dtype=torch.float32)
+
+
+def _fit_run(path) -> Path | None:
+    """`path` where it is a gpudl.fit run folder (its config.toml has a [fit] table), else None."""
+    from ..run.trained import is_fit_run
+
+    return Path(path) if path is not None and Path(path).is_dir() and is_fit_run(Path(path)) else None
 
 
 def serving_dtype(precision: str, info) -> torch.dtype:

@@ -101,7 +101,9 @@ async def _load(served, options: ServeOptions, console: Console, failed: list[st
     served.name, served.loaded = loaded.name, loaded
     engine = make_engine(loaded, max_batch_size=options.max_batch_size,
                          max_queue_delay_ms=options.max_queue_delay_ms, max_queue=options.max_queue)
-    if loaded.device.type == "cpu":  # before the engine starts: its KV cache serves the timed call
+    if loaded.kind == "onnx":  # torch's thread count is not onnxruntime's: it sizes its own pool to the cores
+        served.threads = "onnxruntime's own threads"
+    elif loaded.device.type == "cpu":  # before the engine starts: its KV cache serves the timed call
         served.threads = await asyncio.to_thread(_cpu_threads, loaded, options, getattr(engine, "cache", None))
     served.metrics = Metrics(engine.queue_depth)
     engine.observe_batch = served.metrics.batch_size.observe
@@ -141,7 +143,8 @@ def _cpu_threads(loaded, options: ServeOptions, cache=None) -> str:
 
 
 def make_engine(loaded, *, max_batch_size: int = 32, max_queue_delay_ms: float = 5.0, max_queue: int = 256):
-    """The engine for a model from `load.load_model`: dynamic batching for a classifier, continuous
+    """The engine for a model from `load.load_model`: dynamic batching for a classifier (and a fit run's
+    model.onnx), continuous
     batching with a KV cache for a GPT. Not started: call `start()`."""
     if loaded.kind == "gpt":
         from .generation import GenerationEngine
