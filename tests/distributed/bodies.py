@@ -417,13 +417,14 @@ def train_fp8_emulated(sets: list[str], resume: str | None = None, device: str =
 
     import gpudl.distributed.float8 as float8
     import gpudl.run.recipe as recipe
+    import gpudl.run.stages as stages
     from gpudl.checkpoint.store import local_data
     from gpudl.config import load_config
     from torch.distributed.tensor import DTensor
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    recipe.make_precision = functools.partial(recipe.make_precision, emulate_fp8=True)
+    stages.make_precision = functools.partial(stages.make_precision, emulate_fp8=True)  # where open_run makes it
     float8.worth_float8 = lambda out_features, in_features, name: True
     result = recipe.train(load_config(None, on(device, sets)), resume=resume, console=Console(quiet=True))
     weights = {n: m.weight for n, m in result.model.named_modules() if isinstance(m, Float8Linear)}

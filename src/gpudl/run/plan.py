@@ -24,8 +24,11 @@ def plan(cfg: Config | None = None, *, target: str | None = None, nproc_per_node
         Plan: its `candidates` (each with its `estimate.parts` and why it was rejected) and the
         `winner`, whose `sets` apply it (`--set` strings).
 
-    >>> p = gpudl.plan(gpudl.load_config("gpt2-124m"), target="a100-40gb", nproc_per_node=8)  # doctest: +SKIP
-    >>> p.winner.sets  # doctest: +SKIP
+    >>> import gpudl
+    >>> p = gpudl.plan(gpudl.load_config("gpt-tiny"), target="a100-40gb")
+    >>> p.winner.describe()
+    'one process · micro-batch 32 x 1'
+    >>> big = gpudl.plan(gpudl.load_config("gpt2-124m"), target="a100-40gb", nproc_per_node=8)  # doctest: +SKIP
     """
     cfg = cfg if cfg is not None else load_config(None)
     limit = parse_size(memory_limit) if isinstance(memory_limit, str) else memory_limit
