@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from conftest import run_cli
+from conftest import run_here
 
 SENTENCE = "Grüße, 世界 🙂! naïve café → done.\n"
 BLOCK = 64
@@ -46,13 +46,14 @@ def bpe_run(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tok = hf_tokenizer()
     np.array(tok.encode(SENTENCE * 400).ids, dtype=np.uint16).tofile(root / "tokens.bin")
-    done = run_cli("train", "--device=cpu", f"--set=run.dir={root / 'runs'}", "--set=run.name=bpe",
-                   "--set=data.kind=tokens", f"--set=data.path={root / 'tokens.bin'}", f"--set=model.vocab_size={VOCAB}",
-                   "--set=model.n_layer=2", "--set=model.d_model=64", "--set=model.n_head=2",
-                   f"--set=model.block_size={BLOCK}", "--set=train.batch_size=8", "--set=train.max_steps=150",
-                   "--set=optim.lr=3e-3", "--set=train.precision=fp32", "--set=train.compile=false",
-                   "--set=train.eval_every=0", "--set=train.time_budget_s=0", "--set=log.progress=false",
-                   "--set=sample.tokens=0")
+    # `gpudl train` in this process (conftest.run_here): the run is what the tests read, not its process
+    done = run_here("train", "--device=cpu", f"--set=run.dir={root / 'runs'}", "--set=run.name=bpe",
+                    "--set=data.kind=tokens", f"--set=data.path={root / 'tokens.bin'}", f"--set=model.vocab_size={VOCAB}",
+                    "--set=model.n_layer=2", "--set=model.d_model=64", "--set=model.n_head=2",
+                    f"--set=model.block_size={BLOCK}", "--set=train.batch_size=8", "--set=train.max_steps=150",
+                    "--set=optim.lr=3e-3", "--set=train.precision=fp32", "--set=train.compile=false",
+                    "--set=train.eval_every=0", "--set=train.time_budget_s=0", "--set=log.progress=false",
+                    "--set=sample.tokens=0")
     assert done.returncode == 0, done.stderr
     run = root / "runs" / "bpe"
     tok.save(str(run / "tokenizer.json"))  # where training keeps the tokenizer it trained with

@@ -30,14 +30,14 @@ def reference(tmp_path, *sets: str, device: str = "cpu") -> dict:
             "params": {k: v.detach().cpu() for k, v in result.model.state_dict().items()}}
 
 
-_untied: dict[str, dict] = {}
+_untied: dict[tuple, dict] = {}
 
 
-def untied_reference(tmp_path_factory, device: str) -> dict:
-    """`reference` of the untied model, run once per session and device."""
-    if device not in _untied:
-        _untied[device] = reference(tmp_path_factory.mktemp("ref"), device=device)
-    return _untied[device]
+def untied_reference(tmp_path_factory, device: str, *sets: str) -> dict:
+    """`reference` of the untied model, run once per session for each device and settings."""
+    if (device, sets) not in _untied:
+        _untied[device, sets] = reference(tmp_path_factory.mktemp("ref"), *sets, device=device)
+    return _untied[device, sets]
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def test_pipeline_accumulates_gradients_over_micro_steps(tmp_path):
     ["parallel.dp_replicate=2", "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_stages_per_rank=2"],
 ], ids=["fsdp-1f1b", "replicate-interleaved"])
 def test_pipeline_with_data_parallelism_equals_one_process_on_the_full_batch(tmp_path, tmp_path_factory, layout):
-    want = reference(tmp_path_factory.mktemp("ref8"), "train.batch_size=8")
+    want = untied_reference(tmp_path_factory, "cpu", "train.batch_size=8")  # one run for both layouts
     ranks = run_ranks("train_gathered", 4, tmp_path, timeout=300,
                       sets=[*PP_MODEL, "parallel.pp=2", *layout, f"run.dir={tmp_path}/runs", "run.name=pp"])
     assert all(r["losses"] == ranks[0]["losses"] for r in ranks)

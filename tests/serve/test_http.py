@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY, run_cli
+from conftest import TINY, run_cli, run_here
 
 pytest.importorskip("fastapi")
 tritonclient_http = pytest.importorskip("tritonclient.http")
@@ -66,12 +66,14 @@ class Server:
 
 
 def _trained(tmp: Path, *sets: str) -> Path:
+    """A run trained and exported by `gpudl train` and `gpudl export`, in this process: what is served (in a
+    process of its own) is the subject here, not these commands' processes (tests/unit/test_cli.py)."""
     runs = tmp / "runs"
-    done = run_cli("train", *[f"--set={s}" for s in sets], f"--set=run.dir={runs}", "--set=train.max_steps=2",
-                   "--set=checkpoint.every=2", "--device=cpu")
+    done = run_here("train", *[f"--set={s}" for s in sets], f"--set=run.dir={runs}", "--set=train.max_steps=2",
+                    "--set=checkpoint.every=2", "--device=cpu")
     assert done.returncode == 0, done.stderr
     run = next(runs.iterdir())
-    exported = run_cli("export", str(run))
+    exported = run_here("export", str(run))
     assert exported.returncode == 0, exported.stderr
     return run
 

@@ -163,15 +163,15 @@ def test_what_is_not_a_model_is_refused_with_the_fix(tmp_path, gpt):
 
 
 def test_gpudl_export_records_a_classifiers_image_size_in_the_file(tmp_path):
-    from conftest import run_cli
+    from conftest import run_here  # the commands' own code, in this process (their processes: test_cli.py)
 
     runs = tmp_path / "runs"
-    done = run_cli("train", "--device=cpu", f"--set=run.dir={runs}", "--set=model.name=resnet18",
+    done = run_here("train", "--device=cpu", f"--set=run.dir={runs}", "--set=model.name=resnet18",
                    "--set=model.width=8", "--set=data.kind=images", "--set=data.image_size=24",
                    "--set=train.batch_size=4", "--set=train.max_steps=1", "--set=train.eval_every=0",
                    "--set=train.time_budget_s=0", "--set=log.progress=false")
     assert done.returncode == 0, done.stderr
     moved = tmp_path / "elsewhere" / "cnn.safetensors"  # no config.toml beside it
-    exported = run_cli("export", str(next(runs.iterdir())), "--out", str(moved))
+    exported = run_here("export", str(next(runs.iterdir())), "--out", str(moved))
     assert exported.returncode == 0, exported.stderr
     assert load_model(moved, device="cpu").input_shape == (3, 24, 24)  # not the default 32

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import TINY, run_cli
+from conftest import TINY, run_here
 from gpudl.config import DataConfig, load_config
 from gpudl.data.text.bpe import bpe_tokenizer
 from gpudl.data.text.tokens import choose_tokenizer, text_tokens
@@ -137,13 +137,15 @@ def test_a_resumed_run_reads_its_text_through_the_tokenizer_it_kept(tmp_path, ca
     runs = tmp_path / "runs"
     sets = [*TINY, f"run.dir={runs}", "run.name=r", f"data.path={folder}", "data.tokenizer=bpe",
             "model.vocab_size=320", "checkpoint.every=3"]
-    first = run_cli("train", *[f"--set={s}" for s in sets])
+    # `gpudl train` in this process (conftest.run_here): a resumed run's tokenizer is the subject, not its process
+    first = run_here("train", *[f"--set={s}" for s in sets])
     assert first.returncode == 0, first.stderr
+    assert "Training a 320-token BPE" in first.stderr  # where a BPE trained again would say so below
     kept = (runs / "r" / "tokenizer.json").read_text()
     for trained in cache.glob("bpe-*.json"):
         trained.unlink()  # a resume that trained a BPE again would make it here, and might differ
-    more = run_cli("train", *[f"--set={s}" for s in sets[:-1]], "--set=train.max_steps=9", "--set=checkpoint.every=3",
-                   "--set=data.tokenizer=bytes", f"--resume={runs / 'r'}")  # even told otherwise
+    more = run_here("train", *[f"--set={s}" for s in sets[:-1]], "--set=train.max_steps=9", "--set=checkpoint.every=3",
+                    "--set=data.tokenizer=bytes", f"--resume={runs / 'r'}")  # even told otherwise
     assert more.returncode == 0, more.stderr
     assert "Training a" not in more.stderr and not list(cache.glob("bpe-*.json"))
     assert (runs / "r" / "tokenizer.json").read_text() == kept
@@ -153,16 +155,16 @@ def test_a_resumed_run_reads_its_text_through_the_tokenizer_it_kept(tmp_path, ca
 
 
 def test_a_run_on_json_lines_keeps_its_bpe_and_evaluates_in_bits_per_byte(tmp_path, cache):
-    """train -> evaluate -> generate through the real CLI; bits per byte checked against the library's
-    own count of the validation text's tokens."""
+    """train -> evaluate -> generate through the real CLI (its parser and commands, in this process:
+    conftest.run_here); bits per byte checked against the library's own count of the validation text's tokens."""
     words = "every token of the validation text stands for some bytes of it".split()
     rng = np.random.default_rng(1)
     docs = [" ".join(words[j] for j in rng.integers(0, len(words), 200)) + " ü→" for _ in range(30)]
     f = tmp_path / "corpus.jsonl"
     f.write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(docs)))
     runs = tmp_path / "runs"
-    done = run_cli("train", *[f"--set={s}" for s in TINY], f"--set=run.dir={runs}", "--set=run.name=j",
-                   f"--set=data.path={f}", "--set=data.text_field=body", "--set=model.vocab_size=384")
+    done = run_here("train", *[f"--set={s}" for s in TINY], f"--set=run.dir={runs}", "--set=run.name=j",
+                    f"--set=data.path={f}", "--set=data.text_field=body", "--set=model.vocab_size=384")
     assert done.returncode == 0, done.stderr
     assert "JSON Lines file, 30 documents" in " ".join(done.stdout.split())  # the start block, however it wraps
     hf = tokenizers.Tokenizer.from_file(str(runs / "j" / "tokenizer.json"))
@@ -173,9 +175,9 @@ def test_a_run_on_json_lines_keeps_its_bpe_and_evaluates_in_bits_per_byte(tmp_pa
     at = int(np.searchsorted(sizes, cut, side="right"))
     tail = [docs[at].encode()[cut - (sizes[at - 1] if at else 0):].decode()] + docs[at + 1:]
     val_tokens = sum(len(hf.encode(t).ids) + 1 for t in tail)
-    ev = run_cli("evaluate", str(runs / "j"), "--json", "--device=cpu")
+    ev = run_here("evaluate", str(runs / "j"), "--json", "--device=cpu")
     assert ev.returncode == 0, ev.stderr
     result = json.loads(ev.stdout)
     assert result["bits_per_byte"] == pytest.approx(result["loss"] / np.log(2) / ((len(raw) - cut) / val_tokens))
-    gen = run_cli("generate", str(runs / "j"), "--prompt", "every token", "--tokens", "8", "--device=cpu")
+    gen = run_here("generate", str(runs / "j"), "--prompt", "every token", "--tokens", "8", "--device=cpu")
     assert gen.returncode == 0 and gen.stdout.startswith("every token"), gen.stderr

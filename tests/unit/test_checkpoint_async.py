@@ -23,7 +23,7 @@ import torch
 from rich.console import Console
 from torch.distributed.checkpoint import FileSystemWriter
 
-from conftest import TINY, run_cli
+from conftest import TINY, run_here
 from gpudl.checkpoint import Checkpointer, complete_checkpoints
 from gpudl.checkpoint.background import BackgroundWriter, _tensors, choose
 from gpudl.checkpoint.files import verify
@@ -161,7 +161,7 @@ def test_a_process_killed_during_a_background_write_resumes_from_the_previous_ch
     assert _steps_logged(run) >= 5 and "Checkpoint saves: in the background (checkpoint.async=true" in out
     assert [c.name for c in complete_checkpoints(run / "checkpoints")] == ["step_00000002"]
     assert (run / "checkpoints" / "step_00000004.tmp").is_dir()  # the write that was cut, never counted
-    resumed = run_cli("train", "--resume", str(run), "--set", "train.max_steps=4", cwd=tmp_path)
+    resumed = run_here("train", "--resume", str(run), "--set", "train.max_steps=4")  # in this process: the kill was real
     assert resumed.returncode == 0 and "Resuming at step 2" in resumed.stdout, resumed.stderr[-3000:]
     assert [c.name for c in complete_checkpoints(run / "checkpoints")] == ["step_00000002", "step_00000004"]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_here
 from gpudl.config import load_config
 from gpudl.memory.fake_jobs import estimate
 from gpudl.memory.plan import WORKSPACE_BYTES
@@ -57,8 +57,9 @@ def test_a_run_over_its_limit_recovers_as_if_it_had_started_with_half_the_micro_
     ooms = records(tmp_path / "over", "oom")
     assert [(o["micro_batch"], o["halved_to"]) for o in ooms] == [(32, 16)], ooms
     assert ("CPU out of memory" if device == "cpu" else "out of memory") in ooms[0]["error"]
-    half = run_cli("train", *sets(device, f"run.dir={tmp_path}", "run.name=half", "train.batch_size=16",
-                                  "train.grad_accum=2"), cwd=tmp_path)
+    # the reference, with no limit: in this process (conftest.run_here); the limited run above has one of its own
+    half = run_here("train", *sets(device, f"run.dir={tmp_path}", "run.name=half", "train.batch_size=16",
+                                   "train.grad_accum=2"))
     assert half.returncode == 0, half.stderr[-3000:]
     got = [r["loss"] for r in records(tmp_path / "over", "train")]
     want = [r["loss"] for r in records(tmp_path / "half", "train")]

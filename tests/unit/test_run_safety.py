@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 
-from conftest import TINY, run_cli
+from conftest import TINY, run_here
 from gpudl.checkpoint import complete_checkpoints
 from gpudl.checkpoint.files import verify
 from gpudl.cli import main
@@ -162,7 +162,7 @@ def test_a_small_validation_part_is_evaluated_once_with_a_short_batch(capsys, tm
              "--set", "data.val_fraction=0.01", "--set", "train.max_steps=2", "--set", "train.eval_every=0",
              "--set", "data.image_size=16", "--set", "log.progress=false", "--set", "run.name=small",
              "--set", "train.precision=fp32", "--set", "run.device=cpu"]
-    out = run_cli("train", *small, cwd=tmp_path)
+    out = run_here("train", *small)  # in this process (conftest.run_here), in tmp_path (chdir above)
     assert out.returncode == 0 and "Evaluation: none" not in out.stdout, out.stderr
     records = [json.loads(line) for line in (tmp_path / "runs/small/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "eval"] == [2]
@@ -172,8 +172,9 @@ def test_a_small_validation_part_is_evaluated_once_with_a_short_batch(capsys, tm
 
 
 def test_train_says_when_there_is_nothing_to_evaluate(tmp_path):
-    out = run_cli("train", *SETS, "--set", "data.val_fraction=0", "--set", "run.name=noval",
-                  "--set", "train.max_steps=2", "--set", f"run.dir={tmp_path}", cwd=tmp_path)
+    # the run in this process (conftest.run_here); the refusal below in a process of its own, as a user meets it
+    out = run_here("train", *SETS, "--set", "data.val_fraction=0", "--set", "run.name=noval",
+                   "--set", "train.max_steps=2", "--set", f"run.dir={tmp_path}")
     assert out.returncode == 0, out.stderr
     assert "Evaluation: none, the data has no validation part (data.val_fraction is 0: set it > 0" in out.stdout
     code = subprocess.run([sys.executable, "-m", "gpudl", "evaluate", str(tmp_path / "noval")], capture_output=True,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bpe_run import BLOCK, bpe_run, copy_run, greedy_ids, hf_tokenizer, split_characters
-from conftest import run_cli
+from conftest import run_here
 from gpudl.cli import main
 from gpudl.errors import UserError
 
@@ -42,15 +42,16 @@ def test_generate_decodes_with_the_runs_tokenizer(run, hf):
     want, new = _reference(run, hf, 20)
     assert split_characters(hf, new) and want.startswith(PROMPT + ", 世界")   # learnt; characters span tokens
     # --top-k 1 draws the most likely token: greedy, whatever the temperature
-    out = run_cli("generate", str(run), "--prompt", PROMPT, "--tokens", "20", "--top-k", "1", "--device", "cpu")
+    # `gpudl generate` in this process (conftest.run_here): the text it prints is the subject, not its process
+    out = run_here("generate", str(run), "--prompt", PROMPT, "--tokens", "20", "--top-k", "1", "--device", "cpu")
     assert out.returncode == 0, out.stderr
     assert out.stdout == want + "\n"
 
 
 def test_the_sample_after_training_uses_the_runs_tokenizer(run, hf, tmp_path):
     again = copy_run(run, tmp_path / "again")
-    done = run_cli("train", "--resume", str(again), "--device=cpu", "--set=train.max_steps=152", "--set=sample.tokens=16",
-                   f"--set=sample.prompt={PROMPT}", "--set=sample.top_k=1")
+    done = run_here("train", "--resume", str(again), "--device=cpu", "--set=train.max_steps=152", "--set=sample.tokens=16",
+                    f"--set=sample.prompt={PROMPT}", "--set=sample.top_k=1")
     assert done.returncode == 0, done.stderr
     want, _ = _reference(again, hf, 16)   # from the resumed run's newest checkpoint, as the sample was
     assert (again / "sample.txt").read_text() == want
