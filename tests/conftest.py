@@ -48,9 +48,9 @@ def pytest_configure(config):
 
 
 # The quick tier (`pytest -m quick`, the inner loop: under 3 minutes on 2 cores, docs/testing.md): every
-# room of the package, by the test modules below that check it in this process within seconds. A test is
-# quick when its module is listed here and it is not one of that module's few slow tests (QUICK_BUT_NOT).
-# Only the distributed tier's fastest check starts processes of its own (one 2-rank Gloo run).
+# room of the package, by the test modules below that check it within seconds, nearly all in this process
+# (a few one-line refusals of the CLI and one 2-rank Gloo run start processes). A test is quick when its
+# module is listed here and it is not one of that module's few slow tests (QUICK_BUT_NOT).
 QUICK = {
     # config: settings, TOML and --set, the typed checks; the settings page; --print-config
     "unit/test_config.py", "unit/test_settings_reference.py", "unit/test_print_config.py",
@@ -105,9 +105,12 @@ assert not _MISSING, f"tests/conftest.py's quick tier names test modules that ar
 
 
 def _quick(item) -> bool:
-    module = Path(str(item.fspath)).relative_to(Path(__file__).parent).as_posix()
-    return module in QUICK and item.name not in QUICK_BUT_NOT.get(module, ()) \
-        and item.originalname not in QUICK_BUT_NOT.get(module, ())
+    try:
+        module = item.path.relative_to(Path(__file__).parent).as_posix()
+    except ValueError:  # a test file outside tests/
+        return False
+    slow = QUICK_BUT_NOT.get(module, ())
+    return module in QUICK and item.name not in slow and item.originalname not in slow
 
 
 def _on_accelerator(item) -> bool:
