@@ -168,3 +168,24 @@ def test_the_saving_world_size_is_read_or_inferred_from_the_rng_states(tmp_path)
         saved_world(tmp_path, {"world_size": "2"}, two)
     assert rng_note(2, 2) is None
     assert rng_note(None, 2).startswith("The checkpoint holds no RNG states and resumes on 2: random streams")
+
+
+def test_a_load_without_the_optimizer_still_needs_every_weight(tmp_path):
+    """Loading the model alone skips the optimizer's entries, never a weight: one the checkpoint lacks is
+    named rather than left as allocated (export and serve allocate without drawing initial values)."""
+    import dataclasses
+
+    from gpudl.checkpoint import Checkpointer
+    from gpudl.training.loop import TrainState
+
+    saved = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    ckpt = Checkpointer(tmp_path, keep=1, model_fingerprint={"name": "mlp"})
+    path = ckpt.save(1, saved, torch.optim.AdamW(saved.parameters()),
+                     {"train_state": dataclasses.asdict(TrainState(step=1))})
+    same = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    ckpt.load(path, same, optimizer=None)
+    assert torch.equal(same[0].weight, saved[0].weight)
+    larger = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with pytest.raises(UserError, match=r"is damaged \(it holds no model\.1\.weight \(and 1 more\), which this "
+                                        r"model has\)"):
+        ckpt.load(path, larger, optimizer=None)

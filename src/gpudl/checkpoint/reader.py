@@ -174,8 +174,31 @@ class SafeReader(FileSystemReader):
         return done
 
 
+class MissingEntries(ValueError):
+    """A partial load asked for an entry the checkpoint must hold (the model's weights) and it has none."""
+
+    def __init__(self, names: list[str]):
+        super().__init__(f"no {names[0]}" + (f" (and {len(names) - 1} more)" if len(names) > 1 else ""))
+        self.names = names
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, but a non-tensor entry loads with `weights_only=True` and nothing else."""
+    """DCP's default planner, but a non-tensor entry loads with `weights_only=True` and nothing else.
+
+    `required`: with `allow_partial_load`, the entries under this prefix must still all be there (a
+    load of the model without the optimizer state may skip the latter, never a weight)."""
+
+    def __init__(self, *args, required: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.required = required
+
+    def create_local_plan(self):
+        if self.required is not None:
+            missing = [k for k in self.state_dict
+                       if k.startswith(self.required) and k not in self.metadata.state_dict_metadata]
+            if missing:
+                raise MissingEntries(missing)
+        return super().create_local_plan()
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)  # raises on anything but plain data

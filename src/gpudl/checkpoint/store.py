@@ -37,8 +37,8 @@ from ..device.accel import rng_state, set_rng_state
 from ..distributed.agree import broadcast_json
 from ..distributed.watch import StepWatch, is_timeout
 from ..errors import UserError
-from .files import PREFIX, complete_checkpoints, manifest, verify
-from .reader import (METADATA_FILE, SafeLoadPlanner, SafeReader, UnsafeCheckpointFile, check_byte_entries,
+from .files import PREFIX, complete_checkpoints, damaged, manifest, verify
+from .reader import (METADATA_FILE, MissingEntries, SafeLoadPlanner, SafeReader, UnsafeCheckpointFile, check_byte_entries,
                      check_storage_files, read_metadata_file)
 from .streams import reseed, restores, saved_world
 
@@ -96,6 +96,8 @@ def _refusal(ckpt: Path, e: BaseException) -> UserError:
     for exc, _ in failures:
         if isinstance(exc, UnsafeCheckpointFile):
             return _unsafe(ckpt, exc)
+        if isinstance(exc, MissingEntries):
+            return damaged(ckpt, f"it holds {exc}, which this model has")
     # The manifest matched, so the bytes are as written: the format is what does not fit.
     return UserError(f"checkpoint {ckpt} could not be read ({type(e).__name__}): "
                      f"it was written by an incompatible version or is damaged")
@@ -111,7 +113,7 @@ def _collective_failure(e: BaseException) -> BaseException | None:
 def _dcp_load(sd: dict, ckpt: Path, partial: bool, no_dist: bool) -> None:
     try:
         with _single_process_ok():
-            dcp.load(sd, storage_reader=SafeReader(ckpt), planner=SafeLoadPlanner(allow_partial_load=partial),
+            dcp.load(sd, storage_reader=SafeReader(ckpt), planner=SafeLoadPlanner(allow_partial_load=partial, required="model." if partial else None),
                      no_dist=no_dist)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         failure = _collective_failure(e)

@@ -104,7 +104,7 @@ def _run_source(folder: Path, weights: bool) -> Pretrained:
     kind = f"gpudl run ({name})"
     if not weights:
         return Pretrained(folder, kind, spec.family, _taken(fields), {}, ckpt.name, name=name)
-    model = models.build(spec, torch.device("cpu"))
+    model = models.build_to_load(spec, torch.device("cpu"))
     # `load` verifies every file against the manifest and the model against the checkpoint's record first
     Checkpointer(ckpt.parent, 1, model_fingerprint(spec.name, spec.config)).load(ckpt, model, optimizer=None,
                                                                                   no_dist=True)

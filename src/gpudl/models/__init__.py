@@ -112,6 +112,17 @@ def build(spec: ModelSpec, device: torch.device, dtype: torch.dtype = torch.floa
     return materialize(build_meta(spec), device, dtype, seed)
 
 
+def build_to_load(spec: ModelSpec, device: torch.device) -> nn.Module:
+    """The model allocated on `device` for weights that are loaded next: its initialisation runs but
+    draws no random numbers (GPT-2 124M's take a second on two cores), so the values it would draw are
+    left as allocated. Ties and constant fills (a norm's ones and zeros) are made as in `build`; the
+    caller must load every weight (the checkpoint's load refuses one that lacks any)."""
+    model = build_meta(spec).to_empty(device=device)
+    with _SkipRandomFills():
+        model.init_weights()
+    return model
+
+
 # In-place random fills, as the dispatcher sees them (nn.init.normal_ arrives as aten.normal_).
 _aten = torch.ops.aten
 _RANDOM_FILLS = {_aten.normal_, _aten.uniform_, _aten.bernoulli_, _aten.random_, _aten.exponential_,
@@ -135,6 +146,15 @@ class _DrawForMeta(TorchDispatchMode):
             func(torch.empty_like(args[0], device=self.device), *args[1:], **kwargs)
             return args[0]
         return func(*args, **kwargs)
+
+
+class _SkipRandomFills(TorchDispatchMode):
+    """Random fills do nothing: for a model whose weights are about to be overwritten."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in _RANDOM_FILLS:
+            return args[0]
+        return func(*args, **(kwargs or {}))
 
 
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype = torch.float32, seed: int = 0,

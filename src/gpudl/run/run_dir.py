@@ -145,7 +145,7 @@ def _probe(run_dir: Path) -> None:
 
 def _full_model_on(spec: models.ModelSpec, ckpt: Checkpointer, device: torch.device) -> nn.Module:
     """The whole model, in this process alone, with the newest checkpoint's weights."""
-    model = models.build(spec, device)
+    model = models.build_to_load(spec, device)
     ckpt.load(ckpt.latest(), model, optimizer=None, no_dist=True)
     return model.eval()
 

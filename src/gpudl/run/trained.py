@@ -79,7 +79,7 @@ def load_trained(run_dir: Path, device: str = "auto", command: str = "") -> Trai
     cfg = load_config(run_dir / "config.toml")
     info = detect(device)
     spec, data = model_and_data(cfg, tokenizer=run_tokenizer(run_dir))  # the run's text as it trained on it
-    model = models.build(spec, info.torch_device)
+    model = models.build_to_load(spec, info.torch_device)
     fp = model_fingerprint(spec.name, spec.config)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, fp)
     latest = ckpt.latest()

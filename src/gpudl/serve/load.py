@@ -258,7 +258,7 @@ def _from_safetensors(file: Path, folder: Path, device: torch.device):
     except Exception as e:
         raise UserError(f"{file} is not a readable safetensors file ({str(e).splitlines()[0]}): export the "
                         f"run again with `gpudl export`") from e
-    model = models.build(spec, device)
+    model = models.build_to_load(spec, device)
     _load_weights(model, tensors, file)
     return spec, model, meta
 
@@ -304,7 +304,7 @@ def _from_checkpoint(run: Path, device: torch.device):
         raise UserError(f"checkpoint {ckpt} does not record its model: serve an export (gpudl export) instead")
     fields = {k: v for k, v in recorded.items() if k != "name"}
     spec = models.resolve(recorded["name"], fields)
-    model = models.build(spec, device)
+    model = models.build_to_load(spec, device)
     # `load` verifies every file against the manifest and the model against the record first.
     Checkpointer(ckpt.parent, cfg.checkpoint.keep, model_fingerprint(spec.name, spec.config)).load(
         ckpt, model, optimizer=None, no_dist=True)
