@@ -129,6 +129,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.accelerator)
         if _quick(item):
             item.add_marker(pytest.mark.quick)
+        if Path(__file__).parent / "cluster" in item.path.parents:
+            item.add_marker(pytest.mark.cluster)
 
 
 @pytest.fixture

@@ -29,13 +29,28 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", help="auto | fp32 | bf16-mixed | fp16-mixed | bf16-true | fp8")
 
 
-def _launch_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("several processes (torchrun)")
+def _job_size_args(g) -> None:
     g.add_argument("--nproc-per-node", type=int, metavar="N", help="processes on this machine, one per device")
     g.add_argument("--nnodes", type=int, default=1, help="machines in the job")
+    g.add_argument("--max-restarts", type=int, default=0, help="restart the group this often after a failure")
+
+
+def _launch_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("several processes (torchrun)")
+    _job_size_args(g)
     g.add_argument("--node-rank", type=int, help="this machine's rank (fixed ranks; else assigned on joining)")
     g.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="where the machines meet (node 0's address)")
-    g.add_argument("--max-restarts", type=int, default=0, help="restart the group this often after a failure")
+
+
+def _launch_file_parser(sub, common) -> None:
+    p = sub.add_parser("launch", parents=[common], help="write the file a cluster runs this training job from: "
+                                                         "sbatch (SLURM), JobSet or PyTorchJob (Kubernetes), SkyPilot")
+    # Checked by the command, not by choices=: a wrong kind is one line, as every other bad input is.
+    p.add_argument("--emit", metavar="{slurm,jobset,pytorchjob,skypilot}", help="which scheduler's file to write")
+    p.add_argument("--out", metavar="FILE", help="write the file here (default: print it)")
+    _config_args(p)
+    _job_size_args(p.add_argument_group("the job (each node runs gpudl train --nproc-per-node N)"))
+    p.set_defaults(nproc_per_node=1, resume=None)  # resume: the file's own command says --resume auto
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "RUN_DIR/model.onnx)")
     p.add_argument("--triton-repo", metavar="DIR", help="with --format onnx: also write Triton's model repository "
                                                         "(DIR/NAME/1/model.onnx and config.pbtxt)")
+    _launch_file_parser(sub, common)
     _plan_parser(sub)
     _serve_parser(sub, common)
     _bench_parsers(sub)

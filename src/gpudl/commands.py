@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -88,14 +89,13 @@ def print_config(cfg) -> int:
 
 
 def cmd_train(args, console: Console) -> int:
-    import os
-
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise UserError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}: e.g. --nproc-per-node 2")
     cfg = train_config(args)
     if args.print_config:
         return print_config(cfg)
-    if "RANK" not in os.environ and (args.nproc_per_node or args.nnodes > 1 or "SLURM_NNODES" in os.environ):
+    # torchrun's workers have LOCAL_RANK; RANK alone is not one (PyTorchJob gives a node's launcher its rank)
+    if "LOCAL_RANK" not in os.environ and (args.nproc_per_node or args.nnodes > 1 or "SLURM_NNODES" in os.environ):
         from .run.launch import launch_training
 
         return launch_training(args, cfg, console)
@@ -106,6 +106,12 @@ def cmd_train(args, console: Console) -> int:
         console.print(f"Run folder: {result.run_dir}")
     stopped_by = result.summary.get("stopped_by")
     return 128 + signal.Signals[stopped_by] if stopped_by else 0  # the shell's code for "ended by a signal"
+
+
+def cmd_launch(args, console: Console) -> int:
+    from .run.launch_files import emit
+
+    return emit(args, train_config(args), console)
 
 
 def cmd_generate(args, console: Console) -> int:

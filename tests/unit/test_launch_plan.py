@@ -17,6 +17,11 @@ def test_torchrun_command_lines():
     assert single[-5:] == ["-m", "gpudl", "train", "--set", "a.b=1"]
     elastic = torchrun_argv(LaunchArgs(8, nnodes=2, rdzv_endpoint="node0:29500"), ["train"])
     assert "c10d" in elastic and "node0:29500" in elastic and "--standalone" not in elastic
+    here = torchrun_argv(LaunchArgs(1, nnodes=2, rdzv_endpoint="127.0.0.1:29500"), ["train"])
+    assert here[here.index("--local-addr") + 1] == "127.0.0.1"  # what this node tells the others it is
+    # where torch's guess from the hostname is right, it makes it (tests/cluster: where it is wrong)
+    assert "is_host" not in elastic[elastic.index("--rdzv-conf") + 1]
+    assert "is_host" not in here[here.index("--rdzv-conf") + 1]
     static = torchrun_argv(LaunchArgs(8, nnodes=2, node_rank=1, rdzv_endpoint="node0:1234"), ["train"])
     assert static[static.index("--node-rank") + 1] == "1" and static[static.index("--master-port") + 1] == "1234"
 
@@ -80,9 +85,12 @@ def test_the_launcher_checks_before_starting_anything(capsys, tmp_path, monkeypa
     assert not (tmp_path / "runs").exists()
 
 
-def test_an_unreachable_endpoint_is_a_clear_error_not_a_hang():
+def test_an_unreachable_endpoint_is_a_clear_error_not_a_hang(monkeypatch):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.2", 0))
         port = s.getsockname()[1]
+    # 127.0.0.2 is this machine's (loopback): taken here for another one, which waits for it to answer.
+    # (tests/cluster has the real thing: hosts with addresses of their own)
+    monkeypatch.setattr("gpudl.run.launch.is_local", lambda host: False)
     with pytest.raises(UserError, match=f"cannot reach the rendezvous endpoint 127.0.0.2:{port} after 2 s"):
         wait_for_endpoint(f"127.0.0.2:{port}", wait_s=2)

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from ..errors import UserError
-from .store import SINGLE_PROCESS, Checkpointer, all_finite, local_data
+from .store import SINGLE_PROCESS, Checkpointer, _collective_failure, all_finite, local_data
 
 # "auto" stages only when this rank's buffers, times the ranks of its node, take at most this share of
 # the host's available memory: the rest is the data loader's, the page cache's (the write goes through
@@ -141,8 +141,8 @@ class BackgroundWriter:
         """Until the save in flight is complete; its failure raised (once), as a synchronous save raises it."""
         pending, self._pending = self._pending, None
         error = pending.exception() if pending is not None else None
-        if isinstance(error, UserError):
-            raise error
+        if isinstance(error, UserError) or (error is not None and _collective_failure(error) is error):
+            raise error  # worded already, or a rank that failed the save's collectives (the watch names it)
         if error is not None:  # not one of the failures `Checkpointer.write` words: a fault of gpudl's
             raise RuntimeError("the background checkpoint writer failed") from error
 

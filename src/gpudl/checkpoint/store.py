@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..device.accel import rng_state, set_rng_state
 from ..distributed.agree import broadcast_json
-from ..distributed.watch import StepWatch, is_timeout
+from ..distributed.watch import StepWatch, is_peer_lost, is_timeout
 from ..errors import UserError
 from .files import PREFIX, complete_checkpoints, damaged, manifest, verify
 from .reader import (METADATA_FILE, MissingEntries, SafeLoadPlanner, SafeReader, UnsafeCheckpointFile, check_byte_entries,
@@ -107,7 +107,8 @@ def _collective_failure(e: BaseException) -> BaseException | None:
     """The failure of the load's communication (a timeout, a rank gone) in `e`, if that is what failed, rather
     than the reading of a file: never the files' fault."""
     failures = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
-    return next((exc for exc in failures if isinstance(exc, dist.DistError) or is_timeout(exc)), None)
+    return next((exc for exc in failures if isinstance(exc, dist.DistError) or is_timeout(exc) or is_peer_lost(exc)),
+                None)
 
 
 def _dcp_load(sd: dict, ckpt: Path, partial: bool, no_dist: bool) -> None:
@@ -244,6 +245,9 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:
             if self.is_writer:
                 shutil.rmtree(tmp, ignore_errors=True)
+            failure = _collective_failure(e)
+            if failure is not None:  # a rank or the network failed, not the folder: the caller's watch names it
+                raise failure from e
             raise self._write_failed(step, e) from e
 
     def complete(self, step: int, tmp: Path, final: Path, extra: dict, group: dist.ProcessGroup | None = None) -> None:

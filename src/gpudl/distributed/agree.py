@@ -44,3 +44,13 @@ def any_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
     t = torch.tensor([int(flag)], dtype=torch.int32, device=_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
+
+
+def ranks_where(flag: bool, group: dist.ProcessGroup | None = None) -> list[int]:
+    """The ranks (of `group`) where `flag` is true, on every rank (one all-gather; no job: [0] or [])."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [0] if flag else []
+    size = dist.get_world_size(group)
+    flags = torch.zeros(size, dtype=torch.int32, device=_device(group))
+    dist.all_gather_into_tensor(flags, torch.tensor([int(flag)], dtype=torch.int32, device=flags.device), group=group)
+    return [r for r in range(size) if flags[r]]

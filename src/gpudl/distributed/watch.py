@@ -1,15 +1,21 @@
-"""Turn a collective that times out into an error that names the collective and the late rank.
+"""Turn a collective that times out, or whose peer is gone, into an error that names the collective
+and the rank (and its host).
 
 A collective that waits for a stalled rank fails after the process group's timeout with a
 message such as "Timed out waiting 60000ms for recv operation": no operation, no rank. So
 every rank notes in the job's key-value store where it is (step and phase) as it goes; when a
 collective times out, the rank that saw it reads everyone's notes and names the rank that is
-behind. One small store write per step.
+behind. One small store write per step. A rank whose process died takes its connections with it
+("Connection reset by peer" from the backend, at once): the address in that message and each
+rank's host, noted at start-up, name the rank and the machine that went away.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
 import time
 from contextlib import contextmanager
 
@@ -28,6 +34,9 @@ _PHASE_COLLECTIVES = {"logging": "loss all-reduce", "evaluation": "evaluation al
 # Phases before the first step: a timeout there is "in the <phase>", not "of step N".
 STARTUP_PHASES = ("start-up", "plan agreement", "model set-up", "checkpoint load")
 _TIMEOUT_WORDS = ("timed out", "timeout", "watchdog")
+# What Gloo and NCCL say when the process at the other end of a connection is gone.
+_LOST_WORDS = ("connection reset by peer", "connection closed by peer", "broken pipe", "remote process exited")
+_PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")
 # How long a rank that timed out waits for the others' timeouts before naming the ones missing.
 TIMEOUT_GRACE_S = 10.0
 
@@ -36,8 +45,24 @@ class CollectiveTimeout(UserError):
     """A collective waited longer than parallel.timeout_s for another rank."""
 
 
+class PeerLost(UserError):
+    """A collective's connection to another rank broke: its process, or its host, is gone."""
+
+
 def is_timeout(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(w in str(error).lower() for w in _TIMEOUT_WORDS)
+
+
+def is_peer_lost(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and any(w in str(error).lower() for w in _LOST_WORDS)
+
+
+def _my_host() -> list[str]:
+    """This rank's hostname and the address the others reach it at (the route to the job's store)."""
+    from .addresses import address_towards
+    master = os.environ.get("MASTER_ADDR")
+    address = address_towards(master, int(os.environ.get("MASTER_PORT", "0") or 0)) if master else None
+    return [socket.gethostname(), address or ""]
 
 
 class StepWatch:
@@ -49,6 +74,8 @@ class StepWatch:
         # The store that rendezvous created; torch has no public accessor for it.
         self.store = dist.distributed_c10d._get_default_store() if world > 1 and dist.is_initialized() else None
         self.step, self.phase, self.collective = 0, "start-up", None
+        if self.store is not None:
+            self.store.set(f"gpudl/host/{rank}", json.dumps(_my_host()))
 
     def set_layout(self, layout: dict[str, int]) -> None:
         """The parallel degrees, once they are known (the start-up's collectives come before them)."""
@@ -69,6 +96,8 @@ class StepWatch:
         except RuntimeError as e:  # torch's DistBackendError is one
             if is_timeout(e):
                 raise self.diagnose(e) from e
+            if is_peer_lost(e):
+                raise self.lost(e) from e
             raise
 
     def _read(self, prefix: str) -> dict[int, list]:
@@ -112,6 +141,25 @@ class StepWatch:
             who = "no rank could be singled out (a rank died or the network failed)"
         return CollectiveTimeout(f"{where}: {who}. Look at that rank's output; if such a wait is expected, "
                                  f"raise --set parallel.timeout_s (now {self.timeout_s})")
+
+
+    def lost(self, error: BaseException) -> PeerLost:
+        """The rank (and host) whose connection broke, from the address in the backend's message."""
+        when = f"in the {self.phase}" if self.phase in STARTUP_PHASES else f"of step {self.step}"
+        found = _PEER_ADDRESS.search(str(error))
+        address = found.group(1) if found else None
+        try:
+            hosts = self._read("gpudl/host") if self.store is not None else {}
+        except Exception:  # the store lives with rank 0, which may be the rank that is gone
+            hosts = {}
+        ranks = [r for r, (_, addr) in hosts.items() if address and addr == address and r != self.rank]
+        if ranks:
+            who = " and ".join(f"rank {r}" for r in ranks) + f" on {hosts[ranks[0]][0]} ({address})"
+        else:
+            who = f"the rank at {address}" if address else "another rank"
+        return PeerLost(f"{who} is gone: its connection broke during the {self.collectives(self.phase)} {when} "
+                        f"(seen by rank {self.rank}). Its process or its host stopped; the newest complete "
+                        f"checkpoint is intact, and the run resumes from it with the same command and --resume")
 
 
 def _at(step: int, phase: str) -> str:

@@ -1,8 +1,11 @@
 """Stopping a run cleanly on SIGINT (Ctrl-C) or SIGTERM (preemption: SLURM, Kubernetes, torchrun's agent).
 
 The first signal only raises a flag: the step in progress finishes, every rank agrees on the
-step to stop after, a checkpoint is written and the run says how to resume it. A second signal
-gets the default action (the process ends at once): the flag's handler is gone by then.
+step to stop after, a checkpoint is written and the run says how to resume it. A second Ctrl-C
+gets the default action (the process ends at once): its handler is gone by then. A repeated
+SIGTERM is ignored: schedulers send it more than once to one stop (SLURM to every process of a
+job step, then torchrun's agent to its workers, milliseconds apart), and follow it with SIGKILL
+when they stop waiting; taken as "stop at once", it would lose the checkpoint the stop is for.
 
 Ranks agree without a blocking collective per step: after each step every rank starts an
 asynchronous MAX all-reduce of its flag (on a Gloo group of its own, so that on GPUs no device
@@ -45,12 +48,13 @@ class StopRequest:
             self._pending[0].wait()  # every rank started it: let none be left in flight on the group
 
     def _on_signal(self, signum: int, frame) -> None:
+        if self.seen is not None:  # a repeated SIGTERM (SIGINT's handler is gone after the first signal)
+            return
         self.seen = signum
-        for s in SIGNALS:
-            signal.signal(s, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         if self.announce:  # os.write: a signal handler must not re-enter buffered or rich console output
             os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then a checkpoint and stop "
-                        f"(signal again to stop at once, without one)\n".encode())
+                        f"(Ctrl-C to stop at once, without one)\n".encode())
 
     def agreed(self) -> bool:
         """True once all ranks know of a signal (one process: as soon as it came)."""

@@ -4,8 +4,9 @@ This process becomes torchrun's agent (`torch.distributed.run`), which starts N 
 run `python -m gpudl train ...` with RANK, WORLD_SIZE, LOCAL_RANK set, restarts the whole group
 up to `--max-restarts` times when a worker dies, and handles multi-node rendezvous. Every
 worker runs with one fixed run name and `--resume auto`, so a restarted group continues from
-the newest checkpoint by itself. Under SLURM (`srun`, one launcher per node) the node count,
-node rank and rendezvous host come from SLURM's environment. Everything that can be wrong with
+the newest checkpoint by itself. Under a scheduler that starts one launcher per node (SLURM,
+Kubeflow's PyTorchJob, a JobSet, SkyPilot) the node count, node rank and rendezvous endpoint come
+from its variables (placement.py). Everything that can be wrong with
 the request (`preflight.check_job`, the devices, the run folder) is said here, once.
 """
 
@@ -19,7 +20,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rich.console import Console
 
@@ -27,11 +28,11 @@ from ..checkpoint.files import complete_checkpoints, step_of
 from ..config import Config
 from ..device import available, detect
 from ..errors import UserError
-from ..distributed.env import _first_slurm_host
+from ..distributed.addresses import address_towards, interface_of, is_local
 from ..distributed.parallelize import check_compile
 from ..distributed.preflight import check_job
+from .placement import DEFAULT_PORT, Placement, placement_from
 
-DEFAULT_PORT = 29500
 # How long a node waits for the rendezvous endpoint to answer before giving up with a clear error.
 RENDEZVOUS_WAIT_S = 120
 
@@ -49,13 +50,22 @@ class LaunchArgs:
         return self.nproc_per_node * self.nnodes
 
 
-def from_slurm(args: LaunchArgs, environ: Mapping[str, str]) -> LaunchArgs:
-    """Fill what the user left out from SLURM's environment (one `gpudl train` per node under srun)."""
-    if "SLURM_JOB_ID" not in environ or args.nnodes > 1 or int(environ.get("SLURM_NNODES", 1)) == 1:
+def from_scheduler(args: LaunchArgs, environ: Mapping[str, str]) -> LaunchArgs:
+    """Fill what the user left out (nodes, node rank, rendezvous endpoint) from the variables of the scheduler
+    that started this node; flags win. With --nnodes the flags describe the job, and nothing is read."""
+    if args.nnodes > 1:
         return args
-    host = _first_slurm_host(environ.get("SLURM_JOB_NODELIST", "localhost"))
-    return LaunchArgs(args.nproc_per_node, int(environ["SLURM_NNODES"]), int(environ.get("SLURM_NODEID", 0)),
-                      args.rdzv_endpoint or f"{host}:{DEFAULT_PORT}", args.max_restarts)
+    return _filled(args, placement_from(environ))
+
+
+from_slurm = from_scheduler  # its name from before Kubernetes' and SkyPilot's variables were read too
+
+
+def _filled(args: LaunchArgs, found: Placement | None) -> LaunchArgs:
+    if found is None or found.nnodes == 1:  # one node: standalone, as without a scheduler
+        return args
+    rank = found.node_rank if args.node_rank is None else args.node_rank
+    return replace(args, nnodes=found.nnodes, node_rank=rank, rdzv_endpoint=args.rdzv_endpoint or found.rdzv_endpoint)
 
 
 def _split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -65,18 +75,10 @@ def _split_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _is_local(host: str) -> bool:
-    try:
-        return host in ("localhost", "127.0.0.1", socket.gethostname()) or \
-            socket.gethostbyname(host) in ("127.0.0.1", socket.gethostbyname(socket.gethostname()))
-    except OSError:
-        return False
-
-
 def wait_for_endpoint(endpoint: str, wait_s: float = RENDEZVOUS_WAIT_S) -> None:
     """Fail with a clear line, instead of hanging, when another node's endpoint never answers."""
     host, port = _split_endpoint(endpoint)
-    if _is_local(host):
+    if is_local(host):
         return  # this node hosts the rendezvous
     deadline, last = time.monotonic() + wait_s, None
     while time.monotonic() < deadline:
@@ -100,9 +102,33 @@ def torchrun_argv(args: LaunchArgs, worker_argv: list[str]) -> list[str]:
         argv += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--rdzv-backend", "static",
                  "--master-addr", host, "--master-port", str(port)]
     else:  # elastic: nodes join in any order and get their ranks from the rendezvous
+        host, port = _split_endpoint(args.rdzv_endpoint)
         argv += ["--nnodes", str(args.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint,
-                 "--rdzv-id", "gpudl", "--rdzv-conf", f"join_timeout={RENDEZVOUS_WAIT_S}"]
+                 "--rdzv-id", "gpudl", "--rdzv-conf", f"join_timeout={RENDEZVOUS_WAIT_S}{_is_host(host)}"]
+        # The address the other nodes reach this one at (torch would publish its hostname, which they
+        # may not resolve, or resolve to another network)
+        mine = address_towards(host, port) if args.nnodes > 1 else None
+        argv += ["--local-addr", mine] if mine else []
     return [*argv, "-m", "gpudl", *worker_argv]
+
+
+def _is_host(host: str) -> str:
+    """",is_host=..." where torch's guess at whether this node serves the rendezvous would be wrong, else "".
+
+    torch guesses from the hostname; on hosts that share one, or whose name resolves elsewhere, the
+    node that is the endpoint guesses "not me" and every node waits for a server nobody starts. Where
+    its guess is right it is left to make: a node that guessed "me" and finds the port taken (two
+    agents on one machine) then joins as a client, which a forced value would not do."""
+    mine = is_local(host)
+    try:
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+        if _matches_machine_hostname(host) == mine:
+            return ""
+    except ImportError:  # a torch without it: say it always
+        pass
+    except OSError:  # this machine's own name does not resolve: torch's guess would fail outright
+        pass
+    return f",is_host={str(mine).lower()}"
 
 
 def launch(args: LaunchArgs, worker_argv: list[str]) -> int:
@@ -116,6 +142,7 @@ def launch(args: LaunchArgs, worker_argv: list[str]) -> int:
 
     if args.rdzv_endpoint and args.nnodes > 1:
         wait_for_endpoint(args.rdzv_endpoint)
+        _gloo_on_the_jobs_network(args.rdzv_endpoint)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
     if not torch.accelerator.is_available():  # the workers train on the CPU
         measure_cpu_peaks_for_workers(int(os.environ["OMP_NUM_THREADS"]))
@@ -129,10 +156,25 @@ def launch(args: LaunchArgs, worker_argv: list[str]) -> int:
     return 0
 
 
-def _check(cfg: Config, la: LaunchArgs) -> None:
-    """The job's own checks (as each worker makes them), and the processes against this machine's devices."""
+def _gloo_on_the_jobs_network(endpoint: str) -> None:
+    """Gloo's workers find their own address from the hostname and fall back to loopback where it does
+    not resolve: name the interface that reaches the endpoint instead, unless the user has."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    mine = address_towards(*_split_endpoint(endpoint))
+    interface = interface_of(mine) if mine else None
+    if interface and interface != "lo":
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def check_sizes(la: LaunchArgs) -> None:
     if la.nproc_per_node < 1 or la.nnodes < 1 or la.max_restarts < 0:
         raise UserError("--nproc-per-node and --nnodes must be >= 1 and --max-restarts >= 0")
+
+
+def _check(cfg: Config, la: LaunchArgs) -> None:
+    """The job's own checks (as each worker makes them), and the processes against this machine's devices."""
+    check_sizes(la)
     from ..training.precision import make_precision
 
     info = detect(cfg.run.device)
@@ -146,9 +188,9 @@ def _check(cfg: Config, la: LaunchArgs) -> None:
 def _worker_argv(args, run_dir: Path) -> list[str]:
     """What each worker runs: the user's own settings, and one run folder for every worker and restart."""
     argv = ["train"] + (["--debug"] if args.debug else [])
-    if args.resume:  # the run's own config.toml, changed only by the user's --set, --device, --precision
+    if args.resume and args.resume != "auto":  # the run's own config.toml, changed only by --set, --device, ...
         where = ["--resume", str(run_dir)]
-    else:  # "auto" resumes the new run once it has a checkpoint (after a restart)
+    else:  # "auto" continues run.name's folder once it has a checkpoint (after a restart, or a requeued job)
         where = (["--config", args.config] if args.config else []) + \
             ["--set", f"run.dir={run_dir.parent}", "--set", f"run.name={run_dir.name}", "--resume", "auto"]
     for item in args.sets:
@@ -161,34 +203,53 @@ def _worker_argv(args, run_dir: Path) -> list[str]:
 
 
 def _stopped(code: int, run_dir: Path, la: LaunchArgs) -> str:
+    """What a node's launcher says when its job ended early: the checkpoint to resume from, and how."""
     newest = complete_checkpoints(run_dir / "checkpoints")
     saved = f"the newest checkpoint is step {step_of(newest[-1])}" if newest else "no checkpoint was saved"
-    nodes = ["--nnodes", str(la.nnodes)] if la.nnodes > 1 else []
+    nodes = ["--nnodes", str(la.nnodes), *(["--rdzv-endpoint", la.rdzv_endpoint] if la.rdzv_endpoint else [])] \
+        if la.nnodes > 1 else []
     again = shlex.join(["gpudl", "train", "--nproc-per-node", str(la.nproc_per_node), *nodes, "--resume", str(run_dir)])
-    return f"Stopped by {signal.Signals(code - 128).name}: {saved}. Resume with: {again}"
+    why = f"Stopped by {signal.Signals(code - 128).name}" if code > 128 else "The job failed (above)"
+    return f"{why}: {saved}. Resume with: {again}" + (" (on every node)" if la.nnodes > 1 else "")
 
 
-def launch_training(args, cfg: Config, console: Console) -> int:
-    la = from_slurm(LaunchArgs(args.nproc_per_node or 1, args.nnodes, args.node_rank, args.rdzv_endpoint,
-                               args.max_restarts), os.environ)
-    _check(cfg, la)
-    if args.resume:
-        run_dir = Path(args.resume)
-    elif cfg.run.name:
+def fresh_run_name(cfg: Config) -> str:
+    """The folder name of a new run that has no run.name: <model>-<date>-<time>."""
+    return f"{cfg.model.name}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def _run_folder(args, cfg: Config, la: LaunchArgs) -> Path:
+    """The one folder every node and restart writes. --resume auto: run.name's folder, continued where it
+    holds a checkpoint and started where not (so a requeued job and its first start run one command)."""
+    if args.resume and args.resume != "auto":
+        if not complete_checkpoints(Path(args.resume) / "checkpoints"):
+            raise UserError(f"nothing to resume: {Path(args.resume) / 'checkpoints'} holds no complete checkpoint; "
+                            f"start a new run instead")
+        return Path(args.resume)
+    if cfg.run.name:
         run_dir = Path(cfg.run.dir) / cfg.run.name
     elif la.nnodes > 1:
         raise UserError("a job over several machines needs one run name on all of them: add --set run.name=NAME")
     else:
-        run_dir = Path(cfg.run.dir) / f"{cfg.model.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    if args.resume and not complete_checkpoints(run_dir / "checkpoints"):
-        raise UserError(f"nothing to resume: {run_dir / 'checkpoints'} holds no complete checkpoint; "
-                        f"start a new run instead")
+        run_dir = Path(cfg.run.dir) / fresh_run_name(cfg)
     if not args.resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
         raise UserError(f"run folder {run_dir} already holds a run: continue it with --resume {run_dir}, "
                         f"or choose another --set run.name=...")
+    return run_dir
+
+
+def asked_for(args) -> LaunchArgs:
+    """The job as `gpudl train`'s flags describe it, before the scheduler's variables fill it in."""
+    return LaunchArgs(args.nproc_per_node or 1, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
+
+
+def launch_training(args, cfg: Config, console: Console) -> int:
+    la = from_scheduler(asked_for(args), os.environ)
+    _check(cfg, la)
+    run_dir = _run_folder(args, cfg, la)
     console.print(f"Launching {la.nproc_per_node} process(es) per node x {la.nnodes} node(s) "
                   f"on {available()[0] if cfg.run.device == 'auto' else cfg.run.device}; run folder {run_dir}")
     code = launch(la, _worker_argv(args, run_dir))
-    if code > 128:
+    if code > 128 or (code != 0 and la.nnodes > 1):  # on one node, a failed worker's own line says it all
         console.print(_stopped(code, run_dir, la), markup=False, soft_wrap=True)
     return code

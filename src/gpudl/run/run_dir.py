@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from ..config import Config
 from ..data.tokenizer import Tokenizer, run_tokenizer
 from ..errors import UserError
 from ..training.loop import Job, TrainState
+from ..distributed.agree import ranks_where
 from ..distributed.session import Session
 
 # A run samples from the whole model on rank 0's device only if it takes at most this share of it.
@@ -128,8 +130,37 @@ def keep_tokenizer(run_dir: Path, tokenizer: Tokenizer | None) -> None:
 
 def prepare_run_dir(run_dir: Path, session: Session) -> None:
     """Create the run folder (on rank 0) and write a probe file in it: a place that cannot hold a run
-    fails now, in one line, on every rank."""
+    fails now, in one line, on every rank; so does a folder that is not the same one on every node."""
     session.refuse(lambda: _probe(run_dir))
+    if session.world > 1:
+        _check_shared(run_dir, session)
+
+
+def _check_shared(run_dir: Path, session: Session) -> None:
+    """Every rank reads what rank 0 just wrote in the run folder. Each rank writes its share of every
+    checkpoint there and a restarted job reads them all back: a node whose run.dir is a folder of its
+    own (a local disk, a mount the others lack) would lose its shares at the first restart."""
+    mark = run_dir / ".gpudl-shared"
+    token = session.decided(lambda: _write_mark(mark))
+    try:
+        blind = mark.read_text() != token
+    except OSError:
+        blind = True
+    missing = ranks_where(blind, session.control)
+    if session.is_writer:
+        mark.unlink(missing_ok=True)
+    if missing:
+        ranks = ", ".join(map(str, missing))
+        here = f" (this is rank {session.rank}, on {socket.gethostname()})" if blind else ""
+        raise UserError(f"run.dir is not shared: rank(s) {ranks} do not see {run_dir} as rank 0 wrote it{here}. "
+                        f"Every node must mount the same folder there: set run.dir to a shared filesystem "
+                        f"(NFS, Lustre, a cluster's home or scratch)")
+
+
+def _write_mark(mark: Path) -> str:
+    token = os.urandom(8).hex()
+    mark.write_text(token)
+    return token
 
 
 def _probe(run_dir: Path) -> None:

@@ -19,7 +19,7 @@ from ..config import Config
 from ..data import DeviceLoader
 from ..distributed.agree import any_rank
 from ..device.peak import datasheet_peak_flops, measured_peak_flops, peak_key
-from ..distributed.watch import is_timeout
+from ..distributed.watch import is_peer_lost, is_timeout
 from ..observe.metrics import Throughput, peak_memory_bytes, reset_peak_memory
 from ..observe.plots import plot_loss
 from ..observe.sinks import ConsoleProgress, FileSink, TensorBoardSink, read_records, summary_table, \
@@ -137,6 +137,8 @@ def execute(ex: Execution, console: Console) -> Outcome:
     except RuntimeError as e:
         if monitor.watch is not None and is_timeout(e):
             raise monitor.watch.diagnose(e) from e
+        if monitor.watch is not None and is_peer_lost(e):
+            raise monitor.watch.lost(e) from e
         raise
     finally:
         if ex.background is not None:  # failing: the write in flight still lands (a checkpoint to resume from)

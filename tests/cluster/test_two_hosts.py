@@ -1,0 +1,142 @@
+"""`gpudl train --nnodes 2` on two hosts (network namespaces, each its own address and hostname)
+trains as one host with two processes does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hosts import Hosts, why_not_here
+
+pytestmark = pytest.mark.skipif(why_not_here() is not None, reason=why_not_here() or "")
+
+# gpt-tiny, narrowed: 2 layers of 32, batch 4 per process, 10 steps, the checkpoint at step 5
+RUN = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.block_size=32", "train.batch_size=4",
+       "train.max_steps=10", "train.log_every=1", "train.eval_every=0", "train.precision=fp32",
+       "train.compile=false", "train.time_budget_s=0", "sample.tokens=0", "log.progress=false", "log.plot=false",
+       "checkpoint.every=5", "run.device=cpu"]
+# One thread per process on either side: the same kernels, so the same sums in the same order.
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+PORT = 29531
+
+
+def gpudl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gpudl", *args]
+
+
+def train_argv(run_dir: Path, *launch: str) -> list[str]:
+    sets = [f"--set={s}" for s in [*RUN, f"run.dir={run_dir.parent}", f"run.name={run_dir.name}"]]
+    return gpudl("train", *launch, *sets)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def one_host_two_processes(tmp_path: Path) -> Path:
+    run_dir = tmp_path / "one" / "run"
+    done = subprocess.run(train_argv(run_dir, "--nproc-per-node", "2"), env={**os.environ, **ENV},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir
+
+
+def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> None:
+    for proc, log in zip(procs, logs):
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{log.name} still running after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+        assert code == 0, f"{log.name} exited {code}:\n{log.read_text()[-3000:]}"
+
+
+@pytest.mark.parametrize("endpoint", ["name", "address"])
+def test_two_hosts_train_as_one_host_with_two_processes(endpoint, tmp_path):
+    """By name, where each host's name resolves to its address; by address, where the hosts share one
+    hostname that resolves to neither (containers on one machine, or a name on another network): a host
+    knows the endpoint is its own from its addresses, not its name."""
+    run_dir = tmp_path / "two" / "run"
+    with Hosts(2, resolve=endpoint == "name") as hosts:
+        where = f"host0:{PORT}" if endpoint == "name" else f"{hosts[0].address}:{PORT}"
+        launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", where]
+        logs = [tmp_path / f"{h.name}.log" for h in hosts]
+        procs = [h.start(train_argv(run_dir, *launch), log, ENV, hostname="node" if endpoint == "address" else None)
+                 for h, log in zip(hosts, logs)]
+        wait_all(procs, logs, timeout=240)
+    want = one_host_two_processes(tmp_path)
+    got_losses, want_losses = losses(run_dir), losses(want)
+    assert got_losses.keys() == want_losses.keys() == set(range(1, 11))
+    for step, loss in want_losses.items():
+        assert abs(got_losses[step] - loss) <= 1e-6, f"loss at step {step}: {got_losses[step]} vs {loss}"
+    got_w, want_w = load_file(str(run_dir / "model.safetensors")), load_file(str(want / "model.safetensors"))
+    assert got_w.keys() == want_w.keys()
+    for name, t in want_w.items():
+        assert torch.allclose(got_w[name], t, atol=1e-6, rtol=0), name
+
+
+def newest_checkpoint(run_dir: Path) -> int:
+    done = [int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*") if p.name[5:].isdigit()]
+    return max(done, default=0)
+
+
+def test_a_killed_host_is_named_and_the_run_resumes_on_another(tmp_path):
+    """host1 loses power (every process of it killed at once) after the first checkpoint: host0 stops
+    within parallel.timeout_s + 30 s, naming rank 1 on host1 and the checkpoint to resume from, which is
+    intact; the same command with --resume on host0 and a new host2 finishes the run."""
+    import time
+
+    run_dir = tmp_path / "run"
+    longer = ["--set=train.max_steps=400", "--set=parallel.timeout_s=20"]
+    with Hosts(3) as (host0, host1, host2):
+        launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"host0:{PORT}"]
+        logs = [tmp_path / "host0.log", tmp_path / "host1.log"]
+        procs = [h.start(train_argv(run_dir, *launch) + longer, log, ENV) for h, log in zip((host0, host1), logs)]
+        deadline = time.monotonic() + 180
+        while newest_checkpoint(run_dir) == 0 and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.2)
+        assert newest_checkpoint(run_dir) > 0, logs[0].read_text()[-3000:]
+        killed = time.monotonic()
+        host1.kill()
+        code = procs[0].wait(timeout=20 + 30)
+        stopped_s = time.monotonic() - killed
+        out = " ".join(logs[0].read_text().split())
+        saved = newest_checkpoint(run_dir)
+        assert code != 0 and "rank 1 on host1 (10.231.0.11) is gone" in out, out[-3000:]
+        assert f"the newest checkpoint is step {saved}. Resume with: gpudl train --nproc-per-node 1 --nnodes 2 " \
+               f"--rdzv-endpoint host0:{PORT} --resume {run_dir} (on every node)" in out, out[-3000:]
+        print(f"host0 stopped {stopped_s:.1f} s after host1 was killed; newest checkpoint step {saved}")
+        again = gpudl("train", *launch, "--resume", str(run_dir), "--set=train.max_steps=" + str(saved + 5))
+        logs = [tmp_path / "host0-again.log", tmp_path / "host2.log"]
+        wait_all([h.start(again, log, ENV) for h, log in zip((host0, host2), logs)], logs, timeout=240)
+    assert f"Resuming at step {saved}" in " ".join(logs[0].read_text().split())
+    assert max(losses(run_dir)) == saved + 5
+
+
+def test_a_host_that_does_not_share_the_run_folder_is_refused_at_start(tmp_path):
+    """host1 mounts a folder of its own at run.dir (its mount namespace): both hosts stop before the
+    first step, saying that the folder must be shared and which rank does not see it."""
+    run_root, private = tmp_path / "runs", tmp_path / "private"
+    run_root.mkdir()
+    private.mkdir()
+    run_dir = run_root / "run"
+    own_mount = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                 'mount --bind "$0" "$1" && shift && exec "$@"', str(private), str(run_root)]
+    with Hosts(2) as (host0, host1):
+        launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"host0:{PORT}"]
+        logs = [tmp_path / "host0.log", tmp_path / "host1.log"]
+        procs = [host0.start(train_argv(run_dir, *launch), logs[0], ENV),
+                 host1.start(own_mount + train_argv(run_dir, *launch), logs[1], ENV)]
+        codes = [p.wait(timeout=120) for p in procs]
+    outs = [" ".join(log.read_text().split()) for log in logs]
+    for code, out in zip(codes, outs):
+        assert code == 2 and f"run.dir is not shared: rank(s) 1 do not see {run_dir} as rank 0 wrote it" in out, out[-3000:]
+    assert "(this is rank 1, on host1)" in outs[1]
+    assert not (run_dir / "checkpoints").exists() and "step 1 " not in outs[0]
