@@ -198,5 +198,5 @@ def test_real_torchvision_resnet50_gives_the_same_outputs(tmp_path):
     state, _ = weights_for(read_source(path), spec)
     ours = load_into(models.build(spec, torch.device("cpu")), state).eval()
     x = torch.randn(2, 3, 224, 224)
-    with torch.no_grad():
-        assert (ours(x) - theirs(x)).abs().max() <= 1e-4
+    with torch.no_grad():  # logits near 100 here: fp32's rounding, summed in another order, is relative
+        torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-4)
