@@ -41,8 +41,10 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
-def one_host_two_processes(tmp_path: Path) -> Path:
-    run_dir = tmp_path / "one" / "run"
+@pytest.fixture(scope="module")
+def one_host_two_processes(tmp_path_factory) -> Path:
+    """The reference: the same run on this machine alone, with two processes (once for the module)."""
+    run_dir = tmp_path_factory.mktemp("one") / "run"
     done = subprocess.run(train_argv(run_dir, "--nproc-per-node", "2"), env={**os.environ, **ENV},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -59,7 +61,7 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) ->
 
 
 @pytest.mark.parametrize("endpoint", ["name", "address"])
-def test_two_hosts_train_as_one_host_with_two_processes(endpoint, tmp_path):
+def test_two_hosts_train_as_one_host_with_two_processes(endpoint, tmp_path, one_host_two_processes):
     """By name, where each host's name resolves to its address; by address, where the hosts share one
     hostname that resolves to neither (containers on one machine, or a name on another network): a host
     knows the endpoint is its own from its addresses, not its name."""
@@ -71,7 +73,7 @@ def test_two_hosts_train_as_one_host_with_two_processes(endpoint, tmp_path):
         procs = [h.start(train_argv(run_dir, *launch), log, ENV, hostname="node" if endpoint == "address" else None)
                  for h, log in zip(hosts, logs)]
         wait_all(procs, logs, timeout=240)
-    want = one_host_two_processes(tmp_path)
+    want = one_host_two_processes
     got_losses, want_losses = losses(run_dir), losses(want)
     assert got_losses.keys() == want_losses.keys() == set(range(1, 11))
     for step, loss in want_losses.items():
