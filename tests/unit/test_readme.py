@@ -101,6 +101,8 @@ def check(argv: list[str]) -> None:
         if getattr(args, "memory_limit", None):
             parse_size(args.memory_limit)
         args.resume = None  # a run folder to resume is not here: its --sets are checked against the recipe
+        # nor are the weights a run starts from (model.init_from, read when the config loads): the rest is checked
+        args.sets = [s for s in args.sets if not s.startswith("model.init_from=")]
         models.from_config(train_config(args))
         if args.command == "plan" and args.target:
             target_machine(args.target, args.nproc_per_node, args.nnodes)
