@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import runpy
 import signal
@@ -74,16 +75,28 @@ def gpudl_joins() -> dict[str, str]:
     return {"GPUDL_TEST_GPUDL_JOINS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
-# What the fork server imports once, so that a rank forked from it starts with them imported.
-PRELOAD = ["bodies", "gpudl.config", "gpudl.run.recipe", "gpudl.run.fit", "torch.distributed.checkpoint"]
+# What the fork server imports once, so that a rank forked from it starts with it done (_preload.py).
+PRELOAD = ["_preload"]
 _forkserver = None
 
 
 def _fork_server():
     global _forkserver
     if _forkserver is None:
-        _forkserver = multiprocessing.get_context("forkserver")
-        _forkserver.set_forkserver_preload(PRELOAD)
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        # Python 3.11's fork server is not given this process's sys.path (it starts as `python -c`), so it
+        # finds _preload.py and bodies.py here through PYTHONPATH, set for its start alone.
+        before = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), *([before] if before else [])])
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            if before is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = before
+        _forkserver = context
     return _forkserver
 
 
