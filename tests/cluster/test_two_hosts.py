@@ -41,14 +41,18 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
-@pytest.fixture(scope="module")
-def one_host_two_processes(tmp_path_factory) -> Path:
-    """The reference: the same run on this machine alone, with two processes (once for the module)."""
-    run_dir = tmp_path_factory.mktemp("one") / "run"
-    done = subprocess.run(train_argv(run_dir, "--nproc-per-node", "2"), env={**os.environ, **ENV},
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return run_dir
+_references: dict[tuple, Path] = {}
+
+
+def one_host(tmp_path_factory, processes: int, sets: tuple[str, ...]) -> Path:
+    """The reference: the same run on this machine alone with as many processes (once per layout)."""
+    if (processes, sets) not in _references:
+        run_dir = tmp_path_factory.mktemp("one") / "run"
+        done = subprocess.run(train_argv(run_dir, "--nproc-per-node", str(processes)) + [f"--set={s}" for s in sets],
+                              env={**os.environ, **ENV}, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        _references[processes, sets] = run_dir
+    return _references[processes, sets]
 
 
 def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> None:
@@ -60,20 +64,28 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) ->
         assert code == 0, f"{log.name} exited {code}:\n{log.read_text()[-3000:]}"
 
 
-@pytest.mark.parametrize("endpoint", ["name", "address"])
-def test_two_hosts_train_as_one_host_with_two_processes(endpoint, tmp_path, one_host_two_processes):
+# layout: (its settings, processes per host, the endpoint given by name or by address)
+LAYOUTS = {"ddp": ((), 1, "name"), "fsdp": (("parallel.dp_shard=2",), 1, "address"),
+           # tensor parallel inside each host, FSDP across the two
+           "tp-in-hosts-fsdp-across": (("parallel.tp=2", "parallel.dp_shard=2"), 2, "name")}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_hosts_train_as_one_host_with_as_many_processes(layout, tmp_path, tmp_path_factory):
     """By name, where each host's name resolves to its address; by address, where the hosts share one
     hostname that resolves to neither (containers on one machine, or a name on another network): a host
     knows the endpoint is its own from its addresses, not its name."""
+    sets, per_host, endpoint = LAYOUTS[layout]
     run_dir = tmp_path / "two" / "run"
     with Hosts(2, resolve=endpoint == "name") as hosts:
         where = f"host0:{PORT}" if endpoint == "name" else f"{hosts[0].address}:{PORT}"
-        launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", where]
+        launch = ["--nnodes", "2", "--nproc-per-node", str(per_host), "--rdzv-endpoint", where]
         logs = [tmp_path / f"{h.name}.log" for h in hosts]
-        procs = [h.start(train_argv(run_dir, *launch), log, ENV, hostname="node" if endpoint == "address" else None)
+        argv = train_argv(run_dir, *launch) + [f"--set={s}" for s in sets]
+        procs = [h.start(argv, log, ENV, hostname="node" if endpoint == "address" else None)
                  for h, log in zip(hosts, logs)]
         wait_all(procs, logs, timeout=240)
-    want = one_host_two_processes
+    want = one_host(tmp_path_factory, 2 * per_host, sets)
     got_losses, want_losses = losses(run_dir), losses(want)
     assert got_losses.keys() == want_losses.keys() == set(range(1, 11))
     for step, loss in want_losses.items():
