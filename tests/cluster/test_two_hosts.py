@@ -154,3 +154,30 @@ def test_a_host_that_does_not_share_the_run_folder_is_refused_at_start(tmp_path)
         assert code == 2 and f"run.dir is not shared: rank(s) 1 do not see {run_dir} as rank 0 wrote it" in out, out[-3000:]
     assert "(this is rank 1, on host1)" in outs[1]
     assert not (run_dir / "checkpoints").exists() and "step 1 " not in outs[0]
+
+
+def test_with_restarts_and_no_spare_the_survivor_stops_within_the_timeout(tmp_path):
+    """--max-restarts 1, host1 killed, no host to take its place: host0's agent restarts its worker and
+    waits at the rendezvous for parallel.timeout_s (10 s), then stops with one line that says so, after
+    the worker's own line naming the lost host, and the resume command."""
+    import time
+
+    run_dir = tmp_path / "run"
+    with Hosts(2) as (host0, host1):
+        launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"host0:{PORT}", "--max-restarts", "1"]
+        logs = [tmp_path / "host0.log", tmp_path / "host1.log"]
+        argv = train_argv(run_dir, *launch) + ["--set=train.max_steps=400", "--set=parallel.timeout_s=10"]
+        procs = [h.start(argv, log, ENV) for h, log in zip((host0, host1), logs)]
+        deadline = time.monotonic() + 180
+        while newest_checkpoint(run_dir) == 0 and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.2)
+        assert newest_checkpoint(run_dir) > 0, logs[0].read_text()[-3000:]
+        killed = time.monotonic()
+        host1.kill()
+        code = procs[0].wait(timeout=10 + 30)
+        print(f"host0 stopped {time.monotonic() - killed:.1f} s after host1 was killed")
+    out = " ".join(logs[0].read_text().split())
+    assert code == 2 and "rank 1 on host1 (10.231.0.11) is gone" in out, out[-3000:]
+    assert "the job's 2 nodes were not all there within 10 s (parallel.timeout_s): a node did not start, or one " \
+           f"stopped and none took its place; the newest checkpoint is step {newest_checkpoint(run_dir)}. Resume " \
+           "with: gpudl train" in out and "Traceback" not in out, out[-3000:]

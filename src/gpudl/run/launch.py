@@ -44,6 +44,9 @@ class LaunchArgs:
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
     max_restarts: int = 0
+    # How long the nodes wait for each other at a rendezvous, the first and each after a failure
+    # (parallel.timeout_s: as long as a collective waits for a rank)
+    join_timeout_s: int = RENDEZVOUS_WAIT_S
 
     @property
     def world(self) -> int:
@@ -104,7 +107,7 @@ def torchrun_argv(args: LaunchArgs, worker_argv: list[str]) -> list[str]:
     else:  # elastic: nodes join in any order and get their ranks from the rendezvous
         host, port = _split_endpoint(args.rdzv_endpoint)
         argv += ["--nnodes", str(args.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint,
-                 "--rdzv-id", "gpudl", "--rdzv-conf", f"join_timeout={RENDEZVOUS_WAIT_S}{_is_host(host)}"]
+                 "--rdzv-id", "gpudl", "--rdzv-conf", f"join_timeout={args.join_timeout_s}{_is_host(host)}"]
         # The address the other nodes reach this one at (torch would publish its hostname, which they
         # may not resolve, or resolve to another network)
         mine = address_towards(host, port) if args.nnodes > 1 else None
@@ -136,6 +139,7 @@ def launch(args: LaunchArgs, worker_argv: list[str]) -> int:
     import torch
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.run import get_args_parser, run
 
     from ..device.peak import measure_cpu_peaks_for_workers
@@ -153,7 +157,14 @@ def launch(args: LaunchArgs, worker_argv: list[str]) -> int:
         return next((c for c in codes if c == 2), codes[0] if codes else 1)
     except SignalException as e:  # SIGINT/SIGTERM: the agent passed it on and waited for the workers to save
         return 128 + e.sigval
+    except RendezvousTimeoutError as e:
+        raise NodesMissing(f"the job's {args.nnodes} nodes were not all there within {args.join_timeout_s} s "
+                           f"(parallel.timeout_s): a node did not start, or one stopped and none took its place") from e
     return 0
+
+
+class NodesMissing(UserError):
+    """A rendezvous (the first, or one after a failure) that did not gather every node in time."""
 
 
 def _gloo_on_the_jobs_network(endpoint: str) -> None:
@@ -204,13 +215,17 @@ def _worker_argv(args, run_dir: Path) -> list[str]:
 
 def _stopped(code: int, run_dir: Path, la: LaunchArgs) -> str:
     """What a node's launcher says when its job ended early: the checkpoint to resume from, and how."""
+    why = f"Stopped by {signal.Signals(code - 128).name}" if code > 128 else "The job failed (above)"
+    return f"{why}: {_resume_line(run_dir, la)}"
+
+
+def _resume_line(run_dir: Path, la: LaunchArgs) -> str:
     newest = complete_checkpoints(run_dir / "checkpoints")
     saved = f"the newest checkpoint is step {step_of(newest[-1])}" if newest else "no checkpoint was saved"
     nodes = ["--nnodes", str(la.nnodes), *(["--rdzv-endpoint", la.rdzv_endpoint] if la.rdzv_endpoint else [])] \
         if la.nnodes > 1 else []
     again = shlex.join(["gpudl", "train", "--nproc-per-node", str(la.nproc_per_node), *nodes, "--resume", str(run_dir)])
-    why = f"Stopped by {signal.Signals(code - 128).name}" if code > 128 else "The job failed (above)"
-    return f"{why}: {saved}. Resume with: {again}" + (" (on every node)" if la.nnodes > 1 else "")
+    return f"{saved}. Resume with: {again}" + (" (on every node)" if la.nnodes > 1 else "")
 
 
 def fresh_run_name(cfg: Config) -> str:
@@ -244,12 +259,15 @@ def asked_for(args) -> LaunchArgs:
 
 
 def launch_training(args, cfg: Config, console: Console) -> int:
-    la = from_scheduler(asked_for(args), os.environ)
+    la = replace(from_scheduler(asked_for(args), os.environ), join_timeout_s=cfg.parallel.timeout_s)
     _check(cfg, la)
     run_dir = _run_folder(args, cfg, la)
     console.print(f"Launching {la.nproc_per_node} process(es) per node x {la.nnodes} node(s) "
                   f"on {available()[0] if cfg.run.device == 'auto' else cfg.run.device}; run folder {run_dir}")
-    code = launch(la, _worker_argv(args, run_dir))
+    try:
+        code = launch(la, _worker_argv(args, run_dir))
+    except NodesMissing as e:
+        raise NodesMissing(f"{e}; {_resume_line(run_dir, la)}") from e
     if code > 128 or (code != 0 and la.nnodes > 1):  # on one node, a failed worker's own line says it all
         console.print(_stopped(code, run_dir, la), markup=False, soft_wrap=True)
     return code
