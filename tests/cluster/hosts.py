@@ -59,16 +59,11 @@ class Host:
                                     env={**os.environ, **(env or {})}, start_new_session=True)
 
     def pids(self) -> list[int]:
-        done = subprocess.run(["ip", "netns", "pids", self.namespace], capture_output=True, text=True)
-        return [int(p) for p in done.stdout.split()]
+        return _pids(self.namespace)
 
     def kill(self) -> None:
         """Every process of this host dies at once, as when the machine loses power."""
-        for pid in self.pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_namespace(self.namespace)
 
     def link(self, up: bool) -> None:
         """Plug this host's cable in or pull it out."""
@@ -121,14 +116,32 @@ class Hosts:
         (folder / "hosts").write_text("\n".join(lines) + "\n")
 
     def _remove(self) -> None:
-        for host in self.hosts:
-            host.kill()
-        deadline = time.monotonic() + 10
-        while any(h.pids() for h in self.hosts) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        kill_all(self.hosts)
         for namespace in [h.namespace for h in self.hosts] + [self.switch]:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / namespace, ignore_errors=True)
+
+
+def kill_all(hosts: list[Host], wait_s: float = 10) -> None:
+    """Every process of `hosts` killed, and gone (up to `wait_s`) before the caller removes what they used."""
+    for host in hosts:
+        host.kill()
+    deadline = time.monotonic() + wait_s
+    while any(h.pids() for h in hosts) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _pids(namespace: str) -> list[int]:
+    done = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+    return [int(p) for p in done.stdout.split()]
+
+
+def _kill_namespace(namespace: str) -> None:
+    for pid in _pids(namespace):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _remove_orphans() -> None:
@@ -139,11 +152,7 @@ def _remove_orphans() -> None:
         tag = name.split("-")[0]
         if not (tag.startswith("gdt") and tag[3:].isdigit()) or _alive(int(tag[3:])):
             continue
-        for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_namespace(name)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
         shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
 

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hosts import Host
+from hosts import Host, kill_all
 
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue")
 # How long the daemons get to come up and every node to report in as idle.
@@ -147,9 +147,5 @@ class Slurm:
 
     def _stop(self) -> None:
         """Every process of the hosts, not only the daemons: a job's steps are slurmstepd's children."""
-        for host in self.hosts:
-            host.kill()
-        deadline = time.monotonic() + 10
-        while any(h.pids() for h in self.hosts) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        kill_all(self.hosts)
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -7,13 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from hosts import Hosts, why_not_here
+from hosts import Host, Hosts, why_not_here
 
 pytestmark = pytest.mark.skipif(why_not_here() is not None, reason=why_not_here() or "")
 
@@ -101,26 +102,32 @@ def newest_checkpoint(run_dir: Path) -> int:
     return max(done, default=0)
 
 
+def kill_after_first_checkpoint(host0: Host, host1: Host, argv: list[str], logs: list[Path], run_dir: Path,
+                                stop_within_s: float) -> tuple[int, float]:
+    """Start `argv` on both hosts; once the run has a checkpoint, kill host1 (every process at once):
+    host0's exit code and the seconds it took to stop, which must be fewer than `stop_within_s`."""
+    procs = [h.start(argv, log, ENV) for h, log in zip((host0, host1), logs)]
+    deadline = time.monotonic() + 180
+    while newest_checkpoint(run_dir) == 0 and time.monotonic() < deadline and procs[0].poll() is None:
+        time.sleep(0.2)
+    assert newest_checkpoint(run_dir) > 0, logs[0].read_text()[-3000:]
+    killed = time.monotonic()
+    host1.kill()
+    code = procs[0].wait(timeout=stop_within_s)
+    return code, time.monotonic() - killed
+
+
 def test_a_killed_host_is_named_and_the_run_resumes_on_another(tmp_path):
     """host1 loses power (every process of it killed at once) after the first checkpoint: host0 stops
     within parallel.timeout_s + 30 s, naming rank 1 on host1 and the checkpoint to resume from, which is
     intact; the same command with --resume on host0 and a new host2 finishes the run."""
-    import time
-
     run_dir = tmp_path / "run"
     longer = ["--set=train.max_steps=400", "--set=parallel.timeout_s=20"]
     with Hosts(3) as (host0, host1, host2):
         launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"host0:{PORT}"]
         logs = [tmp_path / "host0.log", tmp_path / "host1.log"]
-        procs = [h.start(train_argv(run_dir, *launch) + longer, log, ENV) for h, log in zip((host0, host1), logs)]
-        deadline = time.monotonic() + 180
-        while newest_checkpoint(run_dir) == 0 and time.monotonic() < deadline and procs[0].poll() is None:
-            time.sleep(0.2)
-        assert newest_checkpoint(run_dir) > 0, logs[0].read_text()[-3000:]
-        killed = time.monotonic()
-        host1.kill()
-        code = procs[0].wait(timeout=20 + 30)
-        stopped_s = time.monotonic() - killed
+        code, stopped_s = kill_after_first_checkpoint(host0, host1, train_argv(run_dir, *launch) + longer, logs,
+                                                      run_dir, stop_within_s=20 + 30)
         out = " ".join(logs[0].read_text().split())
         saved = newest_checkpoint(run_dir)
         assert code != 0 and "rank 1 on host1 (10.231.0.11) is gone" in out, out[-3000:]
@@ -160,22 +167,13 @@ def test_with_restarts_and_no_spare_the_survivor_stops_within_the_timeout(tmp_pa
     """--max-restarts 1, host1 killed, no host to take its place: host0's agent restarts its worker and
     waits at the rendezvous for parallel.timeout_s (10 s), then stops with one line that says so, after
     the worker's own line naming the lost host, and the resume command."""
-    import time
-
     run_dir = tmp_path / "run"
     with Hosts(2) as (host0, host1):
         launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"host0:{PORT}", "--max-restarts", "1"]
         logs = [tmp_path / "host0.log", tmp_path / "host1.log"]
         argv = train_argv(run_dir, *launch) + ["--set=train.max_steps=400", "--set=parallel.timeout_s=10"]
-        procs = [h.start(argv, log, ENV) for h, log in zip((host0, host1), logs)]
-        deadline = time.monotonic() + 180
-        while newest_checkpoint(run_dir) == 0 and time.monotonic() < deadline and procs[0].poll() is None:
-            time.sleep(0.2)
-        assert newest_checkpoint(run_dir) > 0, logs[0].read_text()[-3000:]
-        killed = time.monotonic()
-        host1.kill()
-        code = procs[0].wait(timeout=10 + 30)
-        print(f"host0 stopped {time.monotonic() - killed:.1f} s after host1 was killed")
+        code, stopped_s = kill_after_first_checkpoint(host0, host1, argv, logs, run_dir, stop_within_s=10 + 30)
+        print(f"host0 stopped {stopped_s:.1f} s after host1 was killed")
     out = " ".join(logs[0].read_text().split())
     assert code == 2 and "rank 1 on host1 (10.231.0.11) is gone" in out, out[-3000:]
     assert "the job's 2 nodes were not all there within 10 s (parallel.timeout_s): a node did not start, or one " \
