@@ -161,7 +161,7 @@ class ParallelConfig:
     fsdp_reshard_after_forward: bool = option(True, "free gathered parameters after forward (less memory)")
     fsdp_cpu_offload: bool = option(False, "keep sharded parameters and optimizer state in host memory")
     tp_sequence_parallel: bool = option(False, "shard norms and dropout along the sequence too")
-    timeout_s: int = option(600, "seconds a collective may wait before the job fails, naming the late rank", ge=10)
+    timeout_s: int = option(600, "seconds a collective may wait before the job fails, naming the late rank", ge=5)
 
 
 @dataclass(kw_only=True)

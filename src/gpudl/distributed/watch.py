@@ -37,7 +37,9 @@ _TIMEOUT_WORDS = ("timed out", "timeout", "watchdog")
 # What Gloo and NCCL say when the process at the other end of a connection is gone.
 _LOST_WORDS = ("connection reset by peer", "connection closed by peer", "broken pipe", "remote process exited")
 _PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")
-# How long a rank that timed out waits for the others' timeouts before naming the ones missing.
+# How long a rank that timed out waits for the others' timeouts before naming the ones missing: ranks
+# waiting on one stalled rank time out within a few seconds of each other, and never more apart than
+# the timeout itself, so a short timeout (a test's, a small job's) gets a short grace.
 TIMEOUT_GRACE_S = 10.0
 
 
@@ -119,7 +121,7 @@ class StepWatch:
         """Ranks that did not time out too: every rank waiting on a stalled one times out within the
         same few seconds, so the ranks that never report a timeout are the ones holding the job up."""
         self.store.set(f"gpudl/timeout/{self.rank}", json.dumps([self.step, self.phase, time.time()]))
-        deadline = time.time() + TIMEOUT_GRACE_S
+        deadline = time.time() + min(TIMEOUT_GRACE_S, self.timeout_s)
         while time.time() < deadline and len(self._read("gpudl/timeout")) < self.world:
             time.sleep(0.5)
         waited = self._read("gpudl/timeout")
