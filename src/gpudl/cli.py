@@ -29,9 +29,19 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", help="auto | fp32 | bf16-mixed | fp16-mixed | bf16-true | fp8")
 
 
+def _node_range(text: str) -> tuple[int, int]:
+    from .run.launch import node_range
+
+    try:
+        return node_range(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _job_size_args(g) -> None:
     g.add_argument("--nproc-per-node", type=int, metavar="N", help="processes on this machine, one per device")
-    g.add_argument("--nnodes", type=int, default=1, help="machines in the job")
+    g.add_argument("--nnodes", type=_node_range, default=(1, 1), metavar="N|MIN:MAX",
+                   help="machines in the job; MIN:MAX: elastic, it goes on while MIN remain")
     g.add_argument("--max-restarts", type=int, default=0, help="restart the group this often after a failure")
 
 
@@ -122,12 +132,18 @@ def _serve_parser(sub, common) -> None:
     p.add_argument("--max-batch-size", type=int, default=32, help="rows (classifiers) or sequences (GPT) per call")
     p.add_argument("--max-queue-delay-ms", type=float, default=5.0,
                    help="classifiers: how long a batch waits to fill after its first request")
-    p.add_argument("--max-queue", type=int, default=256, help="requests waiting at most; more are answered 503")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting at most; more are answered 429")
+    p.add_argument("--max-wait-s", type=float, default=1.0,
+                   help="admit a request only if it can start within this many seconds, estimated from the "
+                        "measured service rate; the rest are answered 429 with Retry-After at once (0: off)")
     p.add_argument("--request-timeout-s", type=float, default=60.0, help="a request still queued after this: 504")
     p.add_argument("--api-key", help="requests must send it (Authorization: Bearer KEY); or set GPUDL_API_KEY")
     p.add_argument("--name", help="what clients call the model (default: its preset's name, e.g. gpt-tiny)")
     p.add_argument("--threads", type=int, help="CPU: torch threads for the model (default: the fewest within "
                                                "10%% of the fastest, measured at start)")
+    p.add_argument("--ssl-certfile", metavar="PEM", help="serve https: the server's certificate (with --ssl-keyfile)")
+    p.add_argument("--ssl-keyfile", metavar="PEM", help="the certificate's private key (unencrypted PEM)")
+    p.add_argument("--ssl-ca-certs", metavar="PEM", help="require a client certificate signed by this CA (mutual TLS)")
 
 
 def _plan_parser(sub) -> None:

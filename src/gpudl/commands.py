@@ -95,7 +95,7 @@ def cmd_train(args, console: Console) -> int:
     if args.print_config:
         return print_config(cfg)
     # torchrun's workers have LOCAL_RANK; RANK alone is not one (PyTorchJob gives a node's launcher its rank)
-    if "LOCAL_RANK" not in os.environ and (args.nproc_per_node or args.nnodes > 1 or "SLURM_NNODES" in os.environ):
+    if "LOCAL_RANK" not in os.environ and (args.nproc_per_node or max(args.nnodes) > 1 or "SLURM_NNODES" in os.environ):
         from .run.launch import launch_training
 
         return launch_training(args, cfg, console)
@@ -307,8 +307,10 @@ def cmd_serve(args, console: Console) -> int:
     return serve(ServeOptions(path=args.model, host=args.host, port=args.port, device=args.device or "auto",
                               precision=args.precision or "auto", max_batch_size=args.max_batch_size,
                               max_queue_delay_ms=args.max_queue_delay_ms, max_queue=args.max_queue,
+                              max_wait_s=args.max_wait_s,
                               api_key=args.api_key, request_timeout_s=args.request_timeout_s, name=args.name,
-                              threads=args.threads), console)
+                              threads=args.threads, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+                              ssl_ca_certs=args.ssl_ca_certs), console)
 
 
 def cmd_plan(args, console: Console) -> int:

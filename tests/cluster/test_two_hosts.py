@@ -3,10 +3,8 @@ trains as one host with two processes does."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,32 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from hosts import Host, Hosts, why_not_here
+from runs import ENV, PORT, gpudl, losses, newest_checkpoint, train_argv, wait_all
 
 pytestmark = pytest.mark.skipif(why_not_here() is not None, reason=why_not_here() or "")
-
-# gpt-tiny, narrowed: 2 layers of 32, batch 4 per process, 10 steps, the checkpoint at step 5
-RUN = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.block_size=32", "train.batch_size=4",
-       "train.max_steps=10", "train.log_every=1", "train.eval_every=0", "train.precision=fp32",
-       "train.compile=false", "train.time_budget_s=0", "sample.tokens=0", "log.progress=false", "log.plot=false",
-       "checkpoint.every=5", "run.device=cpu"]
-# One thread per process on either side: the same kernels, so the same sums in the same order.
-ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-PORT = 29531
-
-
-def gpudl(*args: str) -> list[str]:
-    return [sys.executable, "-m", "gpudl", *args]
-
-
-def train_argv(run_dir: Path, *launch: str) -> list[str]:
-    sets = [f"--set={s}" for s in [*RUN, f"run.dir={run_dir.parent}", f"run.name={run_dir.name}"]]
-    return gpudl("train", *launch, *sets)
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
-
 
 _references: dict[tuple, Path] = {}
 
@@ -54,15 +29,6 @@ def one_host(tmp_path_factory, processes: int, sets: tuple[str, ...]) -> Path:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         _references[processes, sets] = run_dir
     return _references[processes, sets]
-
-
-def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> None:
-    for proc, log in zip(procs, logs):
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{log.name} still running after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
-        assert code == 0, f"{log.name} exited {code}:\n{log.read_text()[-3000:]}"
 
 
 # layout: (its settings, processes per host, the endpoint given by name or by address)
@@ -95,11 +61,6 @@ def test_two_hosts_train_as_one_host_with_as_many_processes(layout, tmp_path, tm
     assert got_w.keys() == want_w.keys()
     for name, t in want_w.items():
         assert torch.allclose(got_w[name], t, atol=1e-6, rtol=0), name
-
-
-def newest_checkpoint(run_dir: Path) -> int:
-    done = [int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*") if p.name[5:].isdigit()]
-    return max(done, default=0)
 
 
 def kill_after_first_checkpoint(host0: Host, host1: Host, argv: list[str], logs: list[Path], run_dir: Path,

@@ -197,6 +197,7 @@ def test_a_run_without_a_name_gets_one_name_for_every_node(tmp_path):
     (["--emit", "nonsense"], "--emit 'nonsense': say which file to write"),
     (["--emit", "slurm", "--set", "train.max_stepz=5"], "max_stepz"),
     (["--emit", "jobset", "--nproc-per-node", "0"], "--nproc-per-node and --nnodes must be >= 1"),
+    (["--emit", "slurm", "--nnodes", "2:3"], "a launch file asks its scheduler for a fixed number of nodes"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, words):
     done = gpudl_launch(*args)

@@ -6,7 +6,7 @@ import pytest
 
 from gpudl.cli import main
 from gpudl.distributed import env as denv
-from gpudl.run.launch import LaunchArgs, from_slurm, torchrun_argv, wait_for_endpoint
+from gpudl.run.launch import LaunchArgs, from_slurm, node_range, torchrun_argv, wait_for_endpoint, worlds
 from gpudl.distributed.mesh import ParallelDims
 from gpudl.errors import UserError
 
@@ -24,6 +24,40 @@ def test_torchrun_command_lines():
     assert "is_host" not in here[here.index("--rdzv-conf") + 1]
     static = torchrun_argv(LaunchArgs(8, nnodes=2, node_rank=1, rdzv_endpoint="node0:1234"), ["train"])
     assert static[static.index("--node-rank") + 1] == "1" and static[static.index("--master-port") + 1] == "1234"
+
+
+def test_an_elastic_node_range():
+    assert node_range("2") == (2, 2) and node_range("2:3") == (2, 3)
+    for bad in ("0", "3:2", "two", "2:", ":3", "1:x"):
+        with pytest.raises(ValueError, match="1 <= MIN <= MAX"):
+            node_range(bad)
+    job = LaunchArgs(2, nnodes=2, max_nnodes=3, rdzv_endpoint="node0:29500", join_timeout_s=10)
+    argv = torchrun_argv(job, ["train"])
+    assert argv[argv.index("--nnodes") + 1] == "2:3"
+    # a dead node is dropped after 3 missed heartbeats of 1 s, and once 2 nodes are there the
+    # rendezvous waits for a third 3 s: the survivors meet again within the join timeout
+    assert argv[argv.index("--rdzv-conf") + 1].startswith(
+        "join_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=3")
+    assert worlds(job) == [4, 6] and job.several and LaunchArgs(2, nnodes=1, max_nnodes=2).several
+    fixed = torchrun_argv(LaunchArgs(2, nnodes=2, rdzv_endpoint="node0:29500"), ["train"])
+    assert fixed[fixed.index("--nnodes") + 1] == "2" and "last_call" not in fixed[fixed.index("--rdzv-conf") + 1]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--nnodes", "3:2"], "--nnodes '3:2': give a node count (2) or an elastic range MIN:MAX"),
+    (["--nnodes", "2:3", "--node-rank", "0", "--rdzv-endpoint", "x:1"], "(elastic) gives nodes their ranks as they join"),
+    # every size the job may shrink to must fit the layout: 3 nodes x 1 process cannot hold tp=2
+    (["--nnodes", "2:3", "--rdzv-endpoint", "x:1", "--set", "parallel.tp=2"], "divisible by 2, got 3"),
+])
+def test_a_bad_elastic_job_is_one_line_before_anything_starts(argv, says, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(["train", "--device", "cpu", "--nproc-per-node", "1", "--set", "run.name=r", *argv])
+    except SystemExit as e:  # argparse's own refusal of the value
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and says in err, err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_slurm_fills_nodes_rank_and_endpoint():

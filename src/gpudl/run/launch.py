@@ -40,23 +40,53 @@ RENDEZVOUS_WAIT_S = 120
 @dataclass(frozen=True)
 class LaunchArgs:
     nproc_per_node: int
-    nnodes: int = 1
+    nnodes: int = 1  # with max_nnodes: the fewest nodes the job runs on
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
     max_restarts: int = 0
     # How long the nodes wait for each other at a rendezvous, the first and each after a failure
     # (parallel.timeout_s: as long as a collective waits for a rank)
     join_timeout_s: int = RENDEZVOUS_WAIT_S
+    # Elastic (--nnodes MIN:MAX): up to this many nodes train together, and when one is lost the job
+    # goes on, from the newest checkpoint, while nnodes remain. None: exactly nnodes.
+    max_nnodes: int | None = None
 
     @property
     def world(self) -> int:
         return self.nproc_per_node * self.nnodes
 
+    @property
+    def nodes(self) -> str:
+        """--nnodes as torchrun takes it: "2", or "2:3" for an elastic job."""
+        return f"{self.nnodes}:{self.max_nnodes}" if self.elastic else str(self.nnodes)
+
+    @property
+    def elastic(self) -> bool:
+        return self.max_nnodes not in (None, self.nnodes)
+
+    @property
+    def several(self) -> bool:
+        """Whether the job may span more than one node."""
+        return max(self.nnodes, self.max_nnodes or 0) > 1
+
+
+def node_range(text: str) -> tuple[int, int]:
+    """--nnodes N or MIN:MAX (elastic), as (fewest, most)."""
+    least, colon, most = text.partition(":")
+    try:
+        low, high = int(least), int(most if colon else least)
+    except ValueError:
+        low = high = 0
+    if not 1 <= low <= high:
+        raise ValueError(f"--nnodes {text!r}: give a node count (2) or an elastic range MIN:MAX with "
+                         f"1 <= MIN <= MAX (2:3)")
+    return low, high
+
 
 def from_scheduler(args: LaunchArgs, environ: Mapping[str, str]) -> LaunchArgs:
     """Fill what the user left out (nodes, node rank, rendezvous endpoint) from the variables of the scheduler
     that started this node; flags win. With --nnodes the flags describe the job, and nothing is read."""
-    if args.nnodes > 1:
+    if args.several:
         return args
     return _filled(args, placement_from(environ))
 
@@ -98,21 +128,34 @@ def wait_for_endpoint(endpoint: str, wait_s: float = RENDEZVOUS_WAIT_S) -> None:
 def torchrun_argv(args: LaunchArgs, worker_argv: list[str]) -> list[str]:
     """torchrun's command line for this launch; the workers run `python -m gpudl <worker_argv>`."""
     argv = ["--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts)]
-    if args.nnodes == 1 and not args.rdzv_endpoint:
+    if not args.several and not args.rdzv_endpoint:
         argv.append("--standalone")
-    elif args.node_rank is not None:  # fixed node ranks: static rendezvous at node 0's address
+    elif args.node_rank is not None:  # fixed node ranks (check_sizes: never with an elastic range): static rendezvous at node 0's address
         host, port = _split_endpoint(args.rdzv_endpoint or f"localhost:{DEFAULT_PORT}")
         argv += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--rdzv-backend", "static",
                  "--master-addr", host, "--master-port", str(port)]
     else:  # elastic: nodes join in any order and get their ranks from the rendezvous
         host, port = _split_endpoint(args.rdzv_endpoint)
-        argv += ["--nnodes", str(args.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint,
-                 "--rdzv-id", "gpudl", "--rdzv-conf", f"join_timeout={args.join_timeout_s}{_is_host(host)}"]
+        argv += ["--nnodes", args.nodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint,
+                 "--rdzv-id", "gpudl", "--rdzv-conf", _rdzv_conf(args, host)]
         # The address the other nodes reach this one at (torch would publish its hostname, which they
         # may not resolve, or resolve to another network)
-        mine = address_towards(host, port) if args.nnodes > 1 else None
+        mine = address_towards(host, port) if args.several else None
         argv += ["--local-addr", mine] if mine else []
     return [*argv, "-m", "gpudl", *worker_argv]
+
+
+def _rdzv_conf(args: LaunchArgs, host: str) -> str:
+    """The c10d rendezvous's settings, scaled to the join timeout so that the nodes left after a loss
+    meet again within it. A round that completed ends only when its last participant has left, a dead
+    node by missing keep_alive_max_attempt heartbeats (torch: 3 of one every 5 s); then an elastic
+    job's rendezvous, once MIN nodes are there, waits last_call_timeout for more (torch's 30 s; a node
+    later than that joins at the next restart). Both at most a third of the join timeout."""
+    third = max(1, args.join_timeout_s // 3)
+    conf = f"join_timeout={args.join_timeout_s},keep_alive_interval={max(1, min(5, third // 3))}," \
+           f"keep_alive_max_attempt=3"
+    conf += f",last_call_timeout={min(30, third)}" if args.elastic else ""
+    return conf + _is_host(host)
 
 
 def _is_host(host: str) -> str:
@@ -144,7 +187,7 @@ def launch(args: LaunchArgs, worker_argv: list[str]) -> int:
 
     from ..device.peak import measure_cpu_peaks_for_workers
 
-    if args.rdzv_endpoint and args.nnodes > 1:
+    if args.rdzv_endpoint and args.several:
         wait_for_endpoint(args.rdzv_endpoint)
         _gloo_on_the_jobs_network(args.rdzv_endpoint)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
@@ -158,7 +201,7 @@ def launch(args: LaunchArgs, worker_argv: list[str]) -> int:
     except SignalException as e:  # SIGINT/SIGTERM: the agent passed it on and waited for the workers to save
         return 128 + e.sigval
     except RendezvousTimeoutError as e:
-        raise NodesMissing(f"the job's {args.nnodes} nodes were not all there within {args.join_timeout_s} s "
+        raise NodesMissing(f"the job's {args.nodes} nodes were not all there within {args.join_timeout_s} s "
                            f"(parallel.timeout_s): a node did not start, or one stopped and none took its place") from e
     return 0
 
@@ -181,6 +224,14 @@ def _gloo_on_the_jobs_network(endpoint: str) -> None:
 def check_sizes(la: LaunchArgs) -> None:
     if la.nproc_per_node < 1 or la.nnodes < 1 or la.max_restarts < 0:
         raise UserError("--nproc-per-node and --nnodes must be >= 1 and --max-restarts >= 0")
+    if la.elastic and la.node_rank is not None:
+        raise UserError(f"--nnodes {la.nodes} (elastic) gives nodes their ranks as they join: leave out --node-rank "
+                        f"(and SLURM's fixed ranks), or give a fixed --nnodes")
+
+
+def worlds(la: LaunchArgs) -> list[int]:
+    """Every world size the job may run at: one, or one per node count of an elastic range."""
+    return [la.nproc_per_node * n for n in range(la.nnodes, (la.max_nnodes or la.nnodes) + 1)]
 
 
 def _check(cfg: Config, la: LaunchArgs) -> None:
@@ -189,8 +240,9 @@ def _check(cfg: Config, la: LaunchArgs) -> None:
     from ..training.precision import make_precision
 
     info = detect(cfg.run.device)
-    check_job(cfg, la.world, make_precision(cfg.train.precision, info).name)
-    check_compile(cfg.train.compile, info.type, la.world, cfg.parallel, cfg.train.activation_checkpointing)
+    for world in worlds(la):  # an elastic job: the layout must hold at each size it may shrink or grow to
+        check_job(cfg, world, make_precision(cfg.train.precision, info).name)
+        check_compile(cfg.train.compile, info.type, world, cfg.parallel, cfg.train.activation_checkpointing)
     if info.type != "cpu" and la.nproc_per_node > info.count:
         raise UserError(f"--nproc-per-node {la.nproc_per_node} asks for more processes than this machine's "
                         f"{info.count} {info.kind} device(s): use --nproc-per-node {info.count}")
@@ -222,10 +274,10 @@ def _stopped(code: int, run_dir: Path, la: LaunchArgs) -> str:
 def _resume_line(run_dir: Path, la: LaunchArgs) -> str:
     newest = complete_checkpoints(run_dir / "checkpoints")
     saved = f"the newest checkpoint is step {step_of(newest[-1])}" if newest else "no checkpoint was saved"
-    nodes = ["--nnodes", str(la.nnodes), *(["--rdzv-endpoint", la.rdzv_endpoint] if la.rdzv_endpoint else [])] \
-        if la.nnodes > 1 else []
+    nodes = ["--nnodes", la.nodes, *(["--rdzv-endpoint", la.rdzv_endpoint] if la.rdzv_endpoint else [])] \
+        if la.several else []
     again = shlex.join(["gpudl", "train", "--nproc-per-node", str(la.nproc_per_node), *nodes, "--resume", str(run_dir)])
-    return f"{saved}. Resume with: {again}" + (" (on every node)" if la.nnodes > 1 else "")
+    return f"{saved}. Resume with: {again}" + (" (on every node)" if la.several else "")
 
 
 def fresh_run_name(cfg: Config) -> str:
@@ -243,7 +295,7 @@ def _run_folder(args, cfg: Config, la: LaunchArgs) -> Path:
         return Path(args.resume)
     if cfg.run.name:
         run_dir = Path(cfg.run.dir) / cfg.run.name
-    elif la.nnodes > 1:
+    elif la.several:
         raise UserError("a job over several machines needs one run name on all of them: add --set run.name=NAME")
     else:
         run_dir = Path(cfg.run.dir) / fresh_run_name(cfg)
@@ -255,19 +307,21 @@ def _run_folder(args, cfg: Config, la: LaunchArgs) -> Path:
 
 def asked_for(args) -> LaunchArgs:
     """The job as `gpudl train`'s flags describe it, before the scheduler's variables fill it in."""
-    return LaunchArgs(args.nproc_per_node or 1, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
+    least, most = args.nnodes
+    return LaunchArgs(args.nproc_per_node or 1, least, args.node_rank, args.rdzv_endpoint, args.max_restarts,
+                      max_nnodes=most if most != least else None)
 
 
 def launch_training(args, cfg: Config, console: Console) -> int:
     la = replace(from_scheduler(asked_for(args), os.environ), join_timeout_s=cfg.parallel.timeout_s)
     _check(cfg, la)
     run_dir = _run_folder(args, cfg, la)
-    console.print(f"Launching {la.nproc_per_node} process(es) per node x {la.nnodes} node(s) "
+    console.print(f"Launching {la.nproc_per_node} process(es) per node x {la.nodes} node(s) "
                   f"on {available()[0] if cfg.run.device == 'auto' else cfg.run.device}; run folder {run_dir}")
     try:
         code = launch(la, _worker_argv(args, run_dir))
     except NodesMissing as e:
         raise NodesMissing(f"{e}; {_resume_line(run_dir, la)}") from e
-    if code > 128 or (code != 0 and la.nnodes > 1):  # on one node, a failed worker's own line says it all
+    if code > 128 or (code != 0 and la.several):  # on one node, a failed worker's own line says it all
         console.print(_stopped(code, run_dir, la), markup=False, soft_wrap=True)
     return code

@@ -279,7 +279,11 @@ def emit(args, cfg: Config, console: Console) -> int:
     if args.emit not in FILE_KINDS:
         asked = f"--emit {args.emit!r}" if args.emit else "no --emit"
         raise UserError(f"{asked}: say which file to write, one of --emit {', --emit '.join(FILE_KINDS)}")
-    job = LaunchArgs(args.nproc_per_node, args.nnodes, max_restarts=args.max_restarts)
+    least, most = args.nnodes
+    if least != most:
+        raise UserError(f"--nnodes {least}:{most}: a launch file asks its scheduler for a fixed number of nodes; give "
+                        f"--nnodes N (an elastic range is for `gpudl train` run on the nodes themselves)")
+    job = LaunchArgs(args.nproc_per_node, least, max_restarts=args.max_restarts)
     check_sizes(job)
     text = launch_file(args.emit, cfg, job, _train_flags(args))
     if not args.out:
