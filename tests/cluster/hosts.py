@@ -13,6 +13,7 @@ whatever happened inside.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -68,6 +69,19 @@ class Host:
     def link(self, up: bool) -> None:
         """Plug this host's cable in or pull it out."""
         _ip("-n", self.namespace, "link", "set", "eth0", "up" if up else "down")
+
+    def slow_link(self, rate: str, queue: str) -> None:
+        """What this host sends goes out at `rate` ("8mbit"), through a queue of `queue` bytes ("16kb"): a
+        packet that finds it full is dropped, and TCP resends it. A token bucket (tbf): the kernel this
+        tier was written on has no netem, so loss comes from a queue that overflows, not a dice roll."""
+        subprocess.run(["ip", "netns", "exec", self.namespace, "tc", "qdisc", "replace", "dev", "eth0", "root",
+                        "tbf", "rate", rate, "burst", "4kb", "limit", queue], check=True, capture_output=True)
+
+    def dropped(self) -> int:
+        """Packets the slow link's queue has dropped so far."""
+        shown = subprocess.run(["ip", "netns", "exec", self.namespace, "tc", "-s", "qdisc", "show", "dev", "eth0"],
+                               check=True, capture_output=True, text=True).stdout
+        return int(re.search(r"dropped (\d+)", shown).group(1))
 
 
 class Hosts:

@@ -28,9 +28,12 @@ def train_argv(run_dir: Path, *launch: str) -> list[str]:
     return gpudl("train", *launch, *sets)
 
 
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+    return {r["step"]: r["loss"] for r in records(run_dir) if r["kind"] == "train"}
 
 
 def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> None:

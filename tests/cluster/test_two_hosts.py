@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from hosts import Host, Hosts, why_not_here
-from runs import ENV, PORT, gpudl, losses, newest_checkpoint, train_argv, wait_all
+from runs import ENV, PORT, gpudl, losses, newest_checkpoint, records, train_argv, wait_all
 
 pytestmark = pytest.mark.skipif(why_not_here() is not None, reason=why_not_here() or "")
 
@@ -140,3 +140,61 @@ def test_with_restarts_and_no_spare_the_survivor_stops_within_the_timeout(tmp_pa
     assert "the job's 2 nodes were not all there within 10 s (parallel.timeout_s): a node did not start, or one " \
            f"stopped and none took its place; the newest checkpoint is step {newest_checkpoint(run_dir)}. Resume " \
            "with: gpudl train" in out and "Traceback" not in out, out[-3000:]
+
+
+def median_step_s(run_dir: Path) -> float:
+    times = sorted(r["step_s"] for r in records(run_dir) if r["kind"] == "train" and r["step"] > 1)
+    return times[len(times) // 2]
+
+
+def test_a_slow_lossy_link_slows_the_job_and_changes_nothing_else(tmp_path, tmp_path_factory):
+    """host1 sends at 8 Mbit/s through a 16 kB queue that drops what overflows (the gradients are 136 kB a
+    step): the job is slower, by a factor it prints, and its losses and weights are one host's."""
+    run_dir = tmp_path / "run"
+    with Hosts(2) as (host0, host1):
+        host1.slow_link("8mbit", "16kb")
+        launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"host0:{PORT}"]
+        logs = [tmp_path / "host0.log", tmp_path / "host1.log"]
+        wait_all([h.start(train_argv(run_dir, *launch), log, ENV) for h, log in zip((host0, host1), logs)],
+                 logs, timeout=240)
+        dropped = host1.dropped()
+    want = one_host(tmp_path_factory, 2, ())
+    assert losses(run_dir) == pytest.approx(losses(want), abs=1e-6, rel=0)
+    slow, fast = median_step_s(run_dir), median_step_s(want)
+    assert dropped > 0 and slow > fast
+    print(f"a step over the slow link: {slow * 1e3:.0f} ms against {fast * 1e3:.0f} ms on one host "
+          f"({slow / fast:.1f}x); {dropped} packets dropped and resent")
+
+
+def test_a_host_cut_off_from_the_network_is_named_by_the_others_within_the_timeout(tmp_path):
+    """host1's link goes down after the first checkpoint (its processes live on, unreachable): host0's
+    collective times out after parallel.timeout_s and names rank 1 as the one that never arrived. host1's
+    worker times out too and finds the job's store silent; its launcher, whose own reads of that store
+    would wait as long as TCP retries, stops once its workers have been gone longer than a rendezvous
+    may take (the join timeout and 30 s). Neither hangs."""
+    run_dir = tmp_path / "run"
+    with Hosts(2) as (host0, host1):
+        launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"host0:{PORT}"]
+        logs = [tmp_path / "host0.log", tmp_path / "host1.log"]
+        argv = train_argv(run_dir, *launch) + ["--set=train.max_steps=400", "--set=parallel.timeout_s=5"]
+        procs = [h.start(argv, log, ENV) for h, log in zip((host0, host1), logs)]
+        deadline = time.monotonic() + 180
+        while newest_checkpoint(run_dir) == 0 and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.1)
+        cut = time.monotonic()
+        host1.link(False)
+        # host0: the timeout and 30 s; host1: the timeout, 10 s for the store, the join timeout and 30 s
+        codes, stopped = [], []
+        for proc, bound in zip(procs, (5 + 30, 5 + 10 + 5 + 30 + 10)):
+            try:
+                codes.append(proc.wait(timeout=max(1.0, cut + bound - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+            stopped.append(time.monotonic() - cut)
+    outs = [" ".join(log.read_text().split()) for log in logs]
+    assert codes[0] not in (0, None) and "timed out after 5 s on rank 0: rank 1 never arrived" in outs[0], outs[0][-3000:]
+    assert codes[1] is not None, f"host1 still running {stopped[1]:.0f} s after its link went down: {outs[1][-3000:]}"
+    assert codes[1] != 0 and "timed out after 5 s on rank 1: the job's store (on rank 0's host) did not answer " \
+                             "within 10 s either: this host is cut off from the others' network" in outs[1], outs[1][-3000:]
+    assert "its launcher cannot reach the job's rendezvous store on host0 to finish" in outs[1], outs[1][-3000:]
+    print(f"host1's link down: host0 stopped after {stopped[0]:.1f} s, host1 after {stopped[1]:.1f} s")

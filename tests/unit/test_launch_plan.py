@@ -1,5 +1,6 @@
 """The launcher's decisions, without starting processes."""
 
+import os
 import socket
 
 import pytest
@@ -128,3 +129,25 @@ def test_an_unreachable_endpoint_is_a_clear_error_not_a_hang(monkeypatch):
     monkeypatch.setattr("gpudl.run.launch.is_local", lambda host: False)
     with pytest.raises(UserError, match=f"cannot reach the rendezvous endpoint 127.0.0.2:{port} after 2 s"):
         wait_for_endpoint(f"127.0.0.2:{port}", wait_s=2)
+
+
+def test_a_launcher_whose_workers_are_gone_for_too_long_ends_with_one_line():
+    """The watch for an agent stuck reading an unreachable store (tests/cluster: a host whose link went
+    down): it counts running children only, and ends its process once they have been gone `limit_s`."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        from gpudl.run.stuck import running_children
+        assert child.pid in running_children(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    assert child.pid not in running_children(os.getpid())
+    script = ("import subprocess, time\nfrom gpudl.run.stuck import StuckAgentWatch\n"
+              "StuckAgentWatch(1.0, 'node0:29500', poll_s=0.1).start()\n"
+              "subprocess.run(['sleep', '0.5'])\ntime.sleep(30)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=25)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1
+    assert "this node's workers stopped 1 s ago" in done.stderr and "store on node0 to finish" in done.stderr

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 from contextlib import contextmanager
 
@@ -41,6 +42,8 @@ _PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")
 # waiting on one stalled rank time out within a few seconds of each other, and never more apart than
 # the timeout itself, so a short timeout (a test's, a small job's) gets a short grace.
 TIMEOUT_GRACE_S = 10.0
+# What a store's answer may take beyond that, before the store is taken to be out of reach.
+STORE_SLACK_S = 5.0
 
 
 class CollectiveTimeout(UserError):
@@ -121,21 +124,42 @@ class StepWatch:
         """Ranks that did not time out too: every rank waiting on a stalled one times out within the
         same few seconds, so the ranks that never report a timeout are the ones holding the job up."""
         self.store.set(f"gpudl/timeout/{self.rank}", json.dumps([self.step, self.phase, time.time()]))
-        deadline = time.time() + min(TIMEOUT_GRACE_S, self.timeout_s)
+        deadline = time.time() + self._grace_s()
         while time.time() < deadline and len(self._read("gpudl/timeout")) < self.world:
             time.sleep(0.5)
         waited = self._read("gpudl/timeout")
         return sorted(set(range(self.world)) - set(waited)), self._read("gpudl/progress")
 
+    def _grace_s(self) -> float:
+        return min(TIMEOUT_GRACE_S, self.timeout_s)
+
+    def _briefly(self, read, empty):
+        """`read()` from the store, given the grace and a few seconds more: a store on a host gone or out of
+        reach blocks a call for as long as TCP keeps trying (a timeout set on the store does not bound a
+        call already waiting for its answer), so the call runs in a thread that is left behind."""
+        if self.store is None:
+            return empty
+        done: list = []
+        worker = threading.Thread(target=lambda: done.append(read()), daemon=True, name="gpudl-store-read")
+        worker.start()
+        worker.join(self._grace_s() + STORE_SLACK_S)
+        if not done:
+            raise TimeoutError("the job's store did not answer")
+        return done[0]
+
     def diagnose(self, error: BaseException) -> CollectiveTimeout:
         when = f"in the {self.phase}" if self.phase in STARTUP_PHASES else f"of step {self.step}"
         where = f"the {self.collectives(self.phase)} {when} timed out after {self.timeout_s} s on rank {self.rank}"
+        store_silent = False
         try:
-            late, notes = self._late_ranks() if self.store is not None else ([], {})
-        except Exception:  # the store lives with rank 0, which may be the rank that is gone
-            late, notes = [], {}
+            late, notes = self._briefly(self._late_ranks, ([], {}))
+        except Exception:  # the store lives with rank 0's host, which may be gone or cut off from this one
+            late, notes, store_silent = [], {}, True
         now = time.time()
-        if late:
+        if store_silent:
+            who = (f"the job's store (on rank 0's host) did not answer within {self._grace_s() + STORE_SLACK_S:.0f} s either: this "
+                   f"host is cut off from the others' network, or rank 0's host is down")
+        elif late:
             who = "; ".join(f"rank {r} never arrived" + (f" (last {_at(*notes[r][:2])}, "
                                                        f"{now - notes[r][2]:.0f} s ago)" if r in notes else "")
                             for r in late)
@@ -144,14 +168,13 @@ class StepWatch:
         return CollectiveTimeout(f"{where}: {who}. Look at that rank's output; if such a wait is expected, "
                                  f"raise --set parallel.timeout_s (now {self.timeout_s})")
 
-
     def lost(self, error: BaseException) -> PeerLost:
         """The rank (and host) whose connection broke, from the address in the backend's message."""
         when = f"in the {self.phase}" if self.phase in STARTUP_PHASES else f"of step {self.step}"
         found = _PEER_ADDRESS.search(str(error))
         address = found.group(1) if found else None
         try:
-            hosts = self._read("gpudl/host") if self.store is not None else {}
+            hosts = self._briefly(lambda: self._read("gpudl/host"), {})
         except Exception:  # the store lives with rank 0, which may be the rank that is gone
             hosts = {}
         ranks = [r for r, (_, addr) in hosts.items() if address and addr == address and r != self.rank]

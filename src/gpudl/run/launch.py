@@ -32,6 +32,7 @@ from ..distributed.addresses import address_towards, interface_of, is_local
 from ..distributed.parallelize import check_compile
 from ..distributed.preflight import check_job
 from .placement import DEFAULT_PORT, Placement, placement_from
+from .stuck import SLACK_S as STUCK_SLACK_S, StuckAgentWatch
 
 # How long a node waits for the rendezvous endpoint to answer before giving up with a clear error.
 RENDEZVOUS_WAIT_S = 120
@@ -193,6 +194,8 @@ def launch(args: LaunchArgs, worker_argv: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
     if not torch.accelerator.is_available():  # the workers train on the CPU
         measure_cpu_peaks_for_workers(int(os.environ["OMP_NUM_THREADS"]))
+    if args.rdzv_endpoint and args.several:  # an agent that cannot reach the endpoint's host ends too
+        StuckAgentWatch(args.join_timeout_s + STUCK_SLACK_S, args.rdzv_endpoint).start()
     try:
         run(get_args_parser().parse_args(torchrun_argv(args, worker_argv)))
     except ChildFailedError as e:

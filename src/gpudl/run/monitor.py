@@ -188,7 +188,7 @@ class Monitor:
         for record in self.spikes.review(state, losses[-self.spikes.pending:]):
             self._emit(record)
             if self.progress is not None and state.spikes <= SPIKES_SHOWN:
-                more = f" (further spikes are recorded in metrics.jsonl only)" if state.spikes == SPIKES_SHOWN else ""
+                more = " (further spikes are recorded in metrics.jsonl only)" if state.spikes == SPIKES_SHOWN else ""
                 self.progress.print(f"step {record['step']:>6} · loss spike: {record['loss']:.4g} is "
                                     f"{record['ratio']:.1f}x the recent median {record['median']:.4g} (batch "
                                     f"{record['batch']}); {SPIKE_ACTION[self.train.on_spike]}{more}")
