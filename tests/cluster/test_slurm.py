@@ -143,3 +143,38 @@ def test_requeued_job_resumes_from_a_checkpoint(cluster, script, finished, tmp_p
     got_w, want_w = (load_file(str(j.run_dir / "model.safetensors")) for j in (job, finished))
     assert got_w.keys() == want_w.keys() and all(torch.equal(got_w[k], want_w[k]) for k in want_w)
     assert steps_said(job, r"Stopped at step (\d+) of") == resumed, f"not resumed from the stop's checkpoint\n{tail(job)}"
+
+
+def wait_for(cluster: slurm.Slurm, job: Job, done, what: str) -> None:
+    deadline = time.monotonic() + JOB_S
+    while not done():
+        if time.monotonic() > deadline or cluster.job(job.id)["JobState"] in ENDED:
+            pytest.fail(f"job {job.id}: no {what}:\n{tail(job)}{cluster.logs()}")
+        time.sleep(0.05)
+
+
+def test_the_warning_signal_requeues_and_scancel_keeps_the_newest_checkpoint(cluster, script, finished, tmp_path):
+    """USR1 to the batch shell, as `#SBATCH --signal=B:USR1@90` sends it 90 s before the time limit (here
+    at once, by `scancel --signal=USR1 --batch`: slurmctld sends the timed one up to 30 s late), runs the
+    script's trap: every node's gpudl saves and stops, and the job requeues itself. Its second start is
+    cancelled mid-run (`scancel`: SIGTERM to every step, SIGKILL after KillWait): gpudl saves again and
+    the newest checkpoint is whole, so the script submitted anew ends where the undisturbed job does."""
+    job = submit(cluster, script, tmp_path)
+    wait_checkpoint(cluster, job)
+    cluster.run(["scancel", "--signal=USR1", "--batch", job.id])
+    wait_for(cluster, job, lambda: cluster.job(job.id)["Restarts"] == "1", "requeue after USR1")
+    wait_for(cluster, job, lambda: len(steps_said(job, r"step +(\d+) ·")) > len(steps_said(job, r"Resuming at step (\d+)"))
+             and steps_said(job, r"Resuming at step (\d+)"), "step after the requeue")
+    cluster.run(["scancel", job.id])
+    fields = wait_ended(cluster, job)
+    assert fields["JobState"] == "CANCELLED", f"{fields}\n{tail(job)}"
+    stops, resumed = steps_said(job, r"Stopped at step (\d+) of"), steps_said(job, r"Resuming at step (\d+)")
+    assert len(stops) == 2 and resumed == stops[:1], f"a stop per signal, the second start from the first\n{tail(job)}"
+    again = submit(cluster, script, tmp_path)  # the same folder: --resume auto continues runs/job
+    fields = wait_ended(cluster, again)
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), f"{fields}\n{tail(again)}"
+    assert steps_said(again, r"Resuming at step (\d+)") == stops[1:], tail(again)
+    got, want = losses(job.run_dir), losses(finished.run_dir)
+    assert got.keys() == want.keys() and [s for s in want if got[s] != want[s]] == []
+    got_w, want_w = (load_file(str(j.run_dir / "model.safetensors")) for j in (job, finished))
+    assert all(torch.equal(got_w[k], want_w[k]) for k in want_w)

@@ -112,9 +112,10 @@ _SLURM_BODY = """\
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 
 # SIGTERM makes every node's gpudl finish its step, save a checkpoint and exit; then back to the
-# queue, where --resume auto continues the run.
+# queue, where --resume auto continues the run. The signal goes to the job's steps through SLURM:
+# srun itself, given SIGTERM, cancels its step, and the tasks are killed before they have saved.
 stop_and_requeue() {{
-    kill -TERM "$srun_pid"
+    scancel --signal=TERM "$SLURM_JOB_ID"
     wait "$srun_pid"
     scontrol requeue "$SLURM_JOB_ID"
 }}
