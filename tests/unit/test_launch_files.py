@@ -214,6 +214,13 @@ def test_flags_win_over_the_environment():
     assert from_scheduler(LaunchArgs(2), {"SLURM_JOB_ID": "1", "SLURM_NNODES": "1"}) == LaunchArgs(2)  # standalone
 
 
+def test_an_elastic_policy_makes_an_elastic_job():
+    """Kubeflow's elasticPolicy with minReplicas < maxReplicas: PET_NNODES "2:4", ranks given on joining."""
+    environ = {"PET_NNODES": "2:4", "PET_RDZV_ENDPOINT": "job-master-0:29500", "PET_RDZV_BACKEND": "c10d"}
+    assert from_scheduler(LaunchArgs(4), environ) == LaunchArgs(4, nnodes=2, max_nnodes=4, node_rank=None,
+                                                                rdzv_endpoint="job-master-0:29500")
+
+
 def test_kubeflow_before_1_7_sets_the_plain_names():
     """training-operator v1.6 (envvar.go): MASTER_ADDR, MASTER_PORT, WORLD_SIZE (its pods) and RANK only."""
     environ = {"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "2",
@@ -224,7 +231,8 @@ def test_kubeflow_before_1_7_sets_the_plain_names():
 
 @pytest.mark.parametrize("environ, words", [
     ({"SLURM_JOB_ID": "7", "SLURM_NNODES": "two"}, "SLURM_NNODES='two' must be a whole number"),
-    ({"PET_NNODES": "1:4", "PET_RDZV_ENDPOINT": "job-worker-0:29500"}, "PET_NNODES='1:4' allows between 1 and 4"),
+    ({"PET_NNODES": "3:2", "PET_RDZV_ENDPOINT": "job-worker-0:29500"}, "PET_NNODES='3:2' must be a number of nodes"),
+    ({"PET_NNODES": "1:4", "PET_MASTER_ADDR": "a"}, "PET_NNODES='1:4' is a range, which needs the c10d rendezvous"),
     ({"PET_NNODES": "2", "PET_RDZV_ENDPOINT": "job-worker-0"}, "PET_RDZV_ENDPOINT='job-worker-0' must be host:port"),
     ({"PET_NNODES": "2"}, "neither PET_RDZV_ENDPOINT nor PET_MASTER_ADDR"),
     ({"PET_NNODES": "2", "PET_MASTER_ADDR": "a", "JOB_COMPLETION_INDEX": "-1"}, "JOB_COMPLETION_INDEX='-1'"),

@@ -96,10 +96,11 @@ from_slurm = from_scheduler  # its name from before Kubernetes' and SkyPilot's v
 
 
 def _filled(args: LaunchArgs, found: Placement | None) -> LaunchArgs:
-    if found is None or found.nnodes == 1:  # one node: standalone, as without a scheduler
+    if found is None or max(found.nnodes, found.max_nnodes or 0) == 1:  # one node: standalone, as without a scheduler
         return args
     rank = found.node_rank if args.node_rank is None else args.node_rank
-    return replace(args, nnodes=found.nnodes, node_rank=rank, rdzv_endpoint=args.rdzv_endpoint or found.rdzv_endpoint)
+    return replace(args, nnodes=found.nnodes, max_nnodes=found.max_nnodes, node_rank=rank,
+                   rdzv_endpoint=args.rdzv_endpoint or found.rdzv_endpoint)
 
 
 def _split_endpoint(endpoint: str) -> tuple[str, int]:

@@ -39,6 +39,7 @@ class Placement:
     nnodes: int
     node_rank: int | None  # None: the rendezvous gives each node its rank as it joins (c10d)
     rdzv_endpoint: str     # host:port where the nodes meet
+    max_nnodes: int | None = None  # elastic (Kubeflow's elasticPolicy min < max): up to this many nodes
 
 
 def _whole(environ: Mapping[str, str], name: str, default: str | None = None, least: int = 0) -> int:
@@ -55,16 +56,14 @@ def _endpoint(environ: Mapping[str, str], name: str) -> str:
     return environ[name]
 
 
-def _node_count(environ: Mapping[str, str], name: str) -> int:
-    """'4', or an elastic range '4:4' (Kubeflow's elasticPolicy): gpudl trains on a fixed number of nodes."""
+def _node_count(environ: Mapping[str, str], name: str) -> tuple[int, int]:
+    """'4', or an elastic range '2:4' (Kubeflow's elasticPolicy minReplicas:maxReplicas), as (fewest, most)."""
     value = environ[name]
-    low, _, high = value.partition(":")
-    if high and high != low:
-        raise UserError(f"{name}={value!r} allows between {low} and {high} nodes, but a gpudl job has a fixed "
-                        f"number: give elasticPolicy minReplicas = maxReplicas, or {_FIX}")
-    if not re.fullmatch(r"[0-9]+", low) or int(low) < 1:
-        raise UserError(f"{name}={value!r} must be a number of nodes, e.g. 4 or 4:4: {_FIX}")
-    return int(low)
+    low, colon, high = value.partition(":")
+    numbers = [low, high] if colon else [low]
+    if not all(re.fullmatch(r"[0-9]+", n) for n in numbers) or not 1 <= int(low) <= int(numbers[-1]):
+        raise UserError(f"{name}={value!r} must be a number of nodes, e.g. 4, or a range MIN:MAX, e.g. 2:4: {_FIX}")
+    return int(low), int(numbers[-1])
 
 
 def _slurm(environ: Mapping[str, str]) -> Placement | None:
@@ -80,9 +79,12 @@ def _torchrun_names(environ: Mapping[str, str]) -> Placement | None:
     """Kubeflow's PyTorchJob and Trainer, and the JobSet file: torchrun's PET_ names."""
     if "PET_NNODES" not in environ:
         return None
-    nnodes = _node_count(environ, "PET_NNODES")
+    nnodes, most = _node_count(environ, "PET_NNODES")
     if "PET_RDZV_ENDPOINT" in environ:  # an elasticPolicy: c10d, which a restarted group can form again
-        return Placement(nnodes, None, _endpoint(environ, "PET_RDZV_ENDPOINT"))
+        return Placement(nnodes, None, _endpoint(environ, "PET_RDZV_ENDPOINT"), most if most != nnodes else None)
+    if most != nnodes:
+        raise UserError(f"PET_NNODES={environ['PET_NNODES']!r} is a range, which needs the c10d rendezvous: set "
+                        f"PET_RDZV_ENDPOINT (an elasticPolicy does), or {_FIX}")
     if not environ.get("PET_MASTER_ADDR"):
         raise UserError("PET_NNODES is set but neither PET_RDZV_ENDPOINT nor PET_MASTER_ADDR says where the nodes "
                         f"meet: set PET_MASTER_ADDR to node 0's address, or {_FIX}")
