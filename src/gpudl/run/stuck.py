@@ -15,8 +15,10 @@ import threading
 import time
 from pathlib import Path
 
-# What the agent may take beyond the join timeout to notice its workers' exit and stop by itself.
-SLACK_S = 30.0
+# What the agent may take beyond the join timeout to notice its workers' exit and stop by itself: it
+# looks at them every 0.1 s (torchrun's --monitor-interval), and between restarts meets the others
+# again within the join timeout.
+SLACK_S = 10.0
 
 
 def running_children(pid: int) -> list[int]:
