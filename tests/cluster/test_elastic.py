@@ -4,18 +4,28 @@ from the newest checkpoint by itself."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from hosts import Hosts, why_not_here
-from runs import ENV, PORT, newest_checkpoint, train_argv
+from runs import ENV, PORT, losses, newest_checkpoint, train_argv
 
 pytestmark = pytest.mark.skipif(why_not_here() is not None, reason=why_not_here() or "")
 
 STEPS = 60
+
+
+def one_host(folder: Path, processes: int) -> Path:
+    run_dir = folder / "run"
+    done = subprocess.run(train_argv(run_dir, "--nproc-per-node", str(processes)) + [f"--set=train.max_steps={STEPS}"],
+                          env={**os.environ, **ENV}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir
 
 
 def train_steps(run_dir: Path) -> list[int]:
@@ -37,9 +47,10 @@ def wait_until(done, deadline: float) -> float | None:
 
 
 def test_an_elastic_job_loses_a_host_and_goes_on_with_the_others(tmp_path):
-    """Three hosts join `--nnodes 2:3 --max-restarts 1` (world 3); host2 is killed after the first
-    checkpoint; host0 and host1 restart their workers, meet again as two nodes (world 2) and finish
-    the run from the newest checkpoint, losing only the steps since it."""
+    """Three hosts join `--nnodes 2:3 --max-restarts 1` and train as one host with three processes does
+    (within 1e-6); host2 is killed after the first checkpoint; host0 and host1 restart their workers,
+    meet again as two nodes (world 2) and finish the run from the newest checkpoint, losing only the
+    steps since it."""
     run_dir = tmp_path / "run"
     launch = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-endpoint", f"host0:{PORT}", "--max-restarts", "1"]
     argv = train_argv(run_dir, *launch) + [f"--set=train.max_steps={STEPS}", "--set=parallel.timeout_s=10"]
@@ -62,6 +73,10 @@ def test_an_elastic_job_loses_a_host_and_goes_on_with_the_others(tmp_path):
     assert "Launching 1 process(es) per node x 2:3 node(s)" in out
     assert f"Resuming at step {saved}" in out, out[-3000:]
     assert train_steps(run_dir) == list(range(1, STEPS + 1)) and resumed is not None
+    three = one_host(tmp_path / "one", 3)
+    for step, loss in losses(three).items():
+        if step <= saved:  # the steps the three hosts trained (the log is cut back to them on resuming)
+            assert abs(losses(run_dir)[step] - loss) <= 1e-6, f"step {step}: {losses(run_dir)[step]} vs {loss}"
     print(f"three hosts, host2 killed after the step-{saved} checkpoint; host0 and host1 trained step {saved + 1} "
           f"{resumed - killed:.1f} s after the kill")
 
