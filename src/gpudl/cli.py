@@ -133,7 +133,7 @@ def _serve_parser(sub, common) -> None:
     p.add_argument("--max-queue-delay-ms", type=float, default=5.0,
                    help="classifiers: how long a batch waits to fill after its first request")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting at most; more are answered 429")
-    p.add_argument("--max-wait-s", type=float, default=1.0,
+    p.add_argument("--max-wait-s", type=float, default=0.5,
                    help="admit a request only if it can start within this many seconds, estimated from the "
                         "measured service rate; the rest are answered 429 with Retry-After at once (0: off)")
     p.add_argument("--request-timeout-s", type=float, default=60.0, help="a request still queued after this: 504")

@@ -339,6 +339,30 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(gpt):
     assert other != results[0][0]  # the seed matters: another one draws other tokens
 
 
+def test_prompts_of_one_length_are_prefilled_together_and_give_the_same_tokens(gpt):
+    prompts = [list(b"def main("), list(b"import to"), list(b"x = 1 + 2"), list(b"class GPT")]
+    samplings = [Sampling(max_tokens=12, temperature=0), Sampling(max_tokens=1, temperature=0),  # leaves at once
+                 Sampling(max_tokens=10, temperature=0.9, top_k=40, seed=5), Sampling(max_tokens=15, temperature=0)]
+    engine, calls = GenerationEngine(gpt, CPU, max_batch_size=4), []
+    prefill = gpt.prefill
+    engine.model = type("Recorded", (), {"prefill": lambda self, ids, *a: calls.append(ids.shape) or prefill(ids, *a),
+                                         "decode": lambda self, *a: gpt.decode(*a)})()
+    engine.start()
+
+    async def body():
+        with engine._cond:  # all four queued before the worker takes any
+            streams = [engine.stream(p, s) for p, s in zip(prompts, samplings)]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        await engine.stop()
+        return results
+
+    results = run(body())
+    assert calls == [(4, 9)]  # one prefill for the cohort
+    for prompt, sampling, (ids, _) in zip(prompts, samplings, results):
+        # the one after the sequence that left at its first token moved into its slot: still the same tokens
+        assert ids == reference_tokens(gpt, prompt, sampling.max_tokens, sampling) == alone(gpt, prompt, sampling)[0]
+
+
 def test_sampler_keeps_to_top_k_and_top_p():
     logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0, -1.0])
     g = torch.Generator().manual_seed(0)

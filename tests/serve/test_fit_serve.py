@@ -95,10 +95,10 @@ def test_gpudl_serve_batches_a_fit_runs_graph_and_answers_as_the_module_does(mlp
     together = [np.random.default_rng(10 + i).standard_normal((n, 16), dtype=np.float32)
                 for i, n in enumerate((1, 3, 2, 2))]
     answers = [ask(x, i % 2 == 1).get_result().as_numpy("output") for i, x in enumerate(alone)]
-    calls, rows = _metric(url, "gpudl_batch_size_count"), _metric(url, "gpudl_batch_size_sum")
+    calls, rows = _metric(url, "gpudl:batch_size_count"), _metric(url, "gpudl:batch_size_sum")
     pending = [ask(x, i % 2 == 0) for i, x in enumerate(together)]  # queued within the 200 ms window
     answers += [p.get_result().as_numpy("output") for p in pending]
-    assert _metric(url, "gpudl_batch_size_count") == calls + 1 and _metric(url, "gpudl_batch_size_sum") == rows + 8
+    assert _metric(url, "gpudl:batch_size_count") == calls + 1 and _metric(url, "gpudl:batch_size_sum") == rows + 8
     with torch.no_grad():
         for x, got in zip([*alone, *together], answers):
             want = model(torch.from_numpy(x)).numpy()

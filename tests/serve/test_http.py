@@ -8,6 +8,7 @@ import concurrent.futures
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -34,9 +35,10 @@ def _free_port() -> int:
 class Server:
     """`gpudl serve MODEL ARGS` in its own process, ready when /v2/health/ready says so."""
 
-    def __init__(self, model: Path, *args: str, env: dict | None = None):
+    def __init__(self, model: Path, *args: str, env: dict | None = None, verify: ssl.SSLContext | bool = True):
         self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if '--ssl-certfile' in args else 'http'}://127.0.0.1:{self.port}"
+        self.verify = verify  # over TLS: the context that trusts the server's CA (and holds a client certificate)
         # On the CPU on any machine: the answers are compared with a model loaded on the CPU here.
         self.proc = subprocess.Popen([sys.executable, "-m", "gpudl", "serve", str(model), "--port", str(self.port),
                                       "--device", "cpu", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -50,7 +52,8 @@ class Server:
             if self.proc.poll() is not None:
                 raise AssertionError(f"the server exited {self.proc.returncode}: {self.proc.stdout.read()}")
             try:
-                if httpx.get(self.url + "/v2/health/ready", headers=headers, timeout=2).status_code == 200:
+                if httpx.get(self.url + "/v2/health/ready", headers=headers, timeout=2,
+                             verify=self.verify).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -128,10 +131,13 @@ def _greedy(model, prompt: bytes, n: int) -> bytes:
 
 
 def _metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
+    """The sum of the samples called `name` in /metrics (of every label set: one model, one value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = [s.value for f in text_string_to_metric_families(httpx.get(url + "/metrics").text) for s in f.samples
+             if s.name == name]
+    assert found, f"{name} not in /metrics"
+    return sum(found)
 
 
 def test_triton_clients_queued_together_run_as_one_batch_with_their_own_answers(resnet_server, resnet_run):
@@ -142,8 +148,8 @@ def test_triton_clients_queued_together_run_as_one_batch_with_their_own_answers(
     assert meta["inputs"][0]["shape"] == [-1, 3, 16, 16] and meta["inputs"][0]["datatype"] == "FP32"
     xs = [np.random.default_rng(i).standard_normal((rows, 3, 16, 16), dtype=np.float32) for i, rows in
           enumerate((1, 2, 1, 3))]
-    calls, rows = _metric(resnet_server.url, "gpudl_batch_size_count"), _metric(resnet_server.url,
-                                                                                  "gpudl_batch_size_sum")
+    calls, rows = _metric(resnet_server.url, "gpudl:batch_size_count"), _metric(resnet_server.url,
+                                                                                  "gpudl:batch_size_sum")
     pending = []
     for i, x in enumerate(xs):  # JSON and binary tensors, side by side
         given = tritonclient_http.InferInput("input", list(x.shape), "FP32")
@@ -151,8 +157,8 @@ def test_triton_clients_queued_together_run_as_one_batch_with_their_own_answers(
         asked = tritonclient_http.InferRequestedOutput("logits", binary_data=i % 2 == 0)
         pending.append(client.async_infer("resnet18", [given], outputs=[asked]))
     answers = [p.get_result().as_numpy("logits") for p in pending]
-    assert _metric(resnet_server.url, "gpudl_batch_size_count") == calls + 1  # one forward for the four
-    assert _metric(resnet_server.url, "gpudl_batch_size_sum") == rows + 7
+    assert _metric(resnet_server.url, "gpudl:batch_size_count") == calls + 1  # one forward for the four
+    assert _metric(resnet_server.url, "gpudl:batch_size_sum") == rows + 7
     with torch.no_grad():
         for x, got in zip(xs, answers):
             want = model(torch.from_numpy(x)).numpy()
@@ -237,7 +243,7 @@ def _rss_kib(pid: int) -> int:
                     if line.startswith("VmRSS")).split()[1])
 
 
-def test_a_full_queue_is_503_and_a_request_late_in_the_queue_504(resnet_run):
+def test_a_full_queue_is_429_and_a_request_late_in_the_queue_504(resnet_run):
     server = Server(resnet_run, "--max-queue", "1", "--max-queue-delay-ms", "1500", "--request-timeout-s", "0.5")
     try:
         body = {"inputs": [{"name": "input", "shape": [1, 3, 16, 16], "datatype": "FP32", "data": [0.0] * 768}]}
@@ -245,7 +251,7 @@ def test_a_full_queue_is_503_and_a_request_late_in_the_queue_504(resnet_run):
             first = pool.submit(httpx.post, server.url + "/v2/models/resnet18/infer", json=body, timeout=30)
             time.sleep(0.3)  # the first waits for its batch to fill (1.5 s), past its deadline (0.5 s)
             second = httpx.post(server.url + "/v2/models/resnet18/infer", json=body, timeout=30)
-            assert second.status_code == 503 and second.headers["retry-after"] == "1"
+            assert second.status_code == 429 and second.headers["retry-after"] == "1"
             assert first.result().status_code == 504
     finally:
         server.stop()

@@ -80,11 +80,11 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
     def prefill(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Causal attention over one whole prompt x (1, T, C), keeping its keys and values in the
-        slot's caches (H, block_size, D) at positions 0..T-1. Inference only (no dropout)."""
-        q, k, v = self._heads(x)  # (1, H, T, D)
+        """Causal attention over B whole prompts of one length x (B, T, C), keeping their keys and
+        values in their slots' caches (B, H, block_size, D) at positions 0..T-1. Inference only (no dropout)."""
+        q, k, v = self._heads(x)  # (B, H, T, D)
         t = x.shape[1]
-        k_cache[:, :t], v_cache[:, :t] = k[0], v[0]
+        k_cache[:, :, :t], v_cache[:, :, :t] = k, v
         return self._merge(self.kernel(q, k, v, 0.0))
 
     def decode(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
@@ -197,12 +197,12 @@ class GPT(nn.Module):
     # Generation with a KV cache (inference only: no dropout, the whole model in one process).
 
     def prefill(self, idx: torch.Tensor, cache: KVCache, slot: int) -> torch.Tensor:
-        """Run one prompt idx (1, T) causally, keeping its keys and values in cache slot `slot`;
-        returns the logits (1, V) of its last position."""
-        t = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))  # (1, T, C)
+        """Run B prompts of one length idx (B, T) causally, keeping their keys and values in cache
+        slots slot..slot+B-1; returns the logits (B, V) of their last positions."""
+        b, t = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))  # (B, T, C)
         for i, block in enumerate(self.blocks.values()):
-            k, v = cache.k[i, slot], cache.v[i, slot]  # (H, block_size, D)
+            k, v = cache.k[i, slot:slot + b], cache.v[i, slot:slot + b]  # (B, H, block_size, D)
             x = block.cached(x, lambda h, a=block.attn, k=k, v=v: a.prefill(h, k, v))
         return self.lm_head(self.norm(x[:, -1]))
 

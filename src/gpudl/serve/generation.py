@@ -1,10 +1,12 @@
 """Text generation with a KV cache and continuous (iteration-level) batching, for gpudl's GPT.
 
-The worker repeats: admit waiting requests into free cache slots (each prompt prefilled on its
-own, causally, which also gives its first token), then one decoding step for every running
-sequence at once. A request that arrives mid-generation therefore joins at the next step, and one
+The worker repeats: admit waiting requests into free cache slots (the prompts of one length
+prefilled in one call, causally, without padding, which also gives their first tokens), then one
+decoding step for every running sequence at once. A request that arrives mid-generation therefore joins at the next step, and one
 that finishes leaves at once and frees its slot (Orca's iteration-level scheduling, as vLLM and
-TGI do it). Sampling happens per sequence with its own generator, on the CPU, so a seeded
+TGI do it). Free slots go to waiting requests in the fair order (`fair.py`): each client is charged
+the tokens its prompts and running sequences cost, so the slots are shared among the clients that
+wait. Sampling happens per sequence with its own generator, on the CPU, so a seeded
 request draws the same numbers whichever requests share its steps and whichever device runs it.
 
 Prompts come in as token ids; each new token goes out with the text it completes, decoded by the
@@ -23,86 +25,25 @@ model's tokenizer (`detok.TextStream`: stop texts are found in that text, whatev
 from __future__ import annotations
 
 import asyncio
-import math
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import AsyncIterator, Callable
 
 import torch
-import torch.nn.functional as F
 
 from ..data.tokenizer import ByteTokenizer, Tokenizer
 from ..errors import UserError
 from ..models.gpt import GPT, KVCache
+from .admission import Mean
 from .detok import TextStream
-from .engine import BadInput, DeadlineExceeded, Engine, EngineStopped, Request, call_soon, param_dtype
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How one request is sampled. Checked when made: a bad value raises BadInput naming its field."""
-
-    max_tokens: int = 16               # new tokens at most (>= 1)
-    temperature: float = 1.0           # 0: greedy (argmax)
-    top_k: int = 0                     # keep the k most likely tokens; 0: all
-    top_p: float = 1.0                 # keep the most likely tokens up to this probability mass; 1: all
-    stop: tuple[str, ...] = ()         # generation ends when the new text holds one; it is not returned
-    seed: int | None = None            # the request's own generator; None: a fresh random seed
-
-    def __post_init__(self):
-        if type(self.max_tokens) is not int or self.max_tokens < 1:
-            raise BadInput("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise BadInput("temperature", f"must be a number >= 0 (0: greedy), got {self.temperature!r}")
-        if type(self.top_k) is not int or self.top_k < 0:
-            raise BadInput("top_k", f"must be an integer >= 0 (0: off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise BadInput("top_p", f"must be a number in (0, 1] (1: off), got {self.top_p!r}")
-        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
-            raise BadInput("stop", f"must be non-empty strings, got {self.stop!r}")
-        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < 2**63):
-            raise BadInput("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
-
-
-class Delta(NamedTuple):
-    """One item of a stream: a new token and the text it made certain, or (token None) the end, with
-    the text still held back and why it ended: "stop" (a stop text, not included) or "length"."""
-
-    token: int | None
-    text: str
-    finish: str | None = None
-
-
-class Completion(NamedTuple):
-    """A whole answer: every token made (those of a stop text too: they were generated), its text, why it ended."""
-
-    ids: list[int]
-    text: str
-    finish: str
-
-
-def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
-    """One token id from logits (V,) in fp32 on the CPU: argmax at temperature 0, else temperature,
-    then top-k, then top-p (nucleus), then a draw from `generator`."""
-    if sampling.temperature == 0:
-        return int(logits.argmax())
-    logits = logits / sampling.temperature
-    if 0 < sampling.top_k < logits.numel():
-        kth = torch.topk(logits, sampling.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = F.softmax(logits, dim=-1)  # (V,)
-    if sampling.top_p < 1:
-        sorted_p, order = probs.sort(descending=True)
-        # Keep a token while the mass of the more likely ones is below top_p: the smallest such set (>= 1 token).
-        sorted_p[(sorted_p.cumsum(0) - sorted_p) >= sampling.top_p] = 0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+from .engine import BadInput, Engine, EngineStopped, Request, call_soon, param_dtype
+from .fair import OUTPUT_WEIGHT, PROMPT_WEIGHT
+from .sampling import Completion, Delta, Sampling, sample
 
 
 class _Generate(Request):
-    def __init__(self, loop: asyncio.AbstractEventLoop, deadline: float | None, prompt: list[int], sampling: Sampling):
-        super().__init__(loop, deadline)
+    def __init__(self, loop: asyncio.AbstractEventLoop, deadline: float | None, prompt: list[int], sampling: Sampling,
+                 client: str, priority: int):
+        super().__init__(loop, deadline, client=client, priority=priority)
         self.prompt, self.sampling = prompt, sampling
         self.queue: asyncio.Queue = asyncio.Queue()  # Delta items, or an exception
 
@@ -143,14 +84,16 @@ class _Sequence:
 class GenerationEngine(Engine):
     """Generates for many requests at once with gpudl's GPT; requests join and leave between steps.
 
-    Up to `max_batch_size` sequences run at once (each holds a KV cache slot); up to `max_queue`
-    more wait. Tokens are streamed as they are made, with their text as `tokenizer` (bytes by
+    Up to `max_batch_size` sequences run at once (each holds a KV cache slot); more wait, as many as
+    can start within `max_wait_s` (None: up to `max_queue`). Tokens are streamed as they are made,
+    with their text as `tokenizer` (bytes by
     default) decodes it; only tokens it knows are drawn (a model's vocabulary may be padded past it).
     """
 
     def __init__(self, model: GPT, device: torch.device | str, *, tokenizer: Tokenizer | None = None,
-                 max_batch_size: int = 16, max_queue: int = 256, dtype: torch.dtype | None = None):
-        super().__init__(model, device, max_batch_size, max_queue)
+                 max_batch_size: int = 16, max_queue: int = 256, dtype: torch.dtype | None = None,
+                 max_wait_s: float | None = None):
+        super().__init__(model, device, max_batch_size, max_queue, max_wait_s)
         if not isinstance(model, GPT):
             raise TypeError(f"GenerationEngine runs gpudl's GPT, got {type(model).__name__}")
         self.cfg = model.cfg
@@ -164,22 +107,31 @@ class GenerationEngine(Engine):
                             f"tokens does not fit on {self.device}: lower --max-batch-size") from e
         self._running: list[_Sequence] = []
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # tokens made this step, by their loop
+        # A metrics exporter's wrapper around each request's items (metrics.Tracked, on the event loop)
+        self.observe_stream: Callable[[AsyncIterator[Delta]], AsyncIterator[Delta]] | None = None
+        # self.rate counts generated tokens per second while every slot is taken; over the mean tokens
+        # a request gets, requests started per second (what admission needs)
+        self._tokens_per_request = Mean()
 
-    def stream(self, prompt_ids: list[int], sampling: Sampling,
-               deadline: float | None = None) -> AsyncIterator[Delta]:
-        """Queue a request now (BadInput, QueueFull, EngineStopped are raised here, before any token)
+    def stream(self, prompt_ids: list[int], sampling: Sampling, deadline: float | None = None, *,
+               client: str = "", priority: int = 0) -> AsyncIterator[Delta]:
+        """Queue a request now (BadInput, Overloaded, EngineStopped are raised here, before any token)
         and return its items: Delta(token, text) per token as made, then Delta(None, text, "stop" | "length").
+        `client` and `priority`: whose share of the decode slots it is served from, and its order
+        within that share (lower first).
 
         Call from a coroutine (the items arrive on the running event loop).
         """
         self._check(prompt_ids, sampling)
-        request = _Generate(asyncio.get_running_loop(), deadline, list(prompt_ids), sampling)
+        request = _Generate(asyncio.get_running_loop(), deadline, list(prompt_ids), sampling, client, priority)
         self._submit(request)
-        return _Stream(request)
+        items = _Stream(request, self)
+        return items if self.observe_stream is None else self.observe_stream(items)
 
-    def generate(self, prompt_ids: list[int], sampling: Sampling, deadline: float | None = None) -> AsyncIterator[int]:
+    def generate(self, prompt_ids: list[int], sampling: Sampling, deadline: float | None = None, *,
+                 client: str = "", priority: int = 0) -> AsyncIterator[int]:
         """The new token ids as they are made (queued now, as `stream`)."""
-        items = self.stream(prompt_ids, sampling, deadline)
+        items = self.stream(prompt_ids, sampling, deadline, client=client, priority=priority)
 
         async def tokens():
             async for item in items:
@@ -187,10 +139,11 @@ class GenerationEngine(Engine):
                     yield item.token
         return tokens()
 
-    async def complete(self, prompt_ids: list[int], sampling: Sampling, deadline: float | None = None) -> Completion:
+    async def complete(self, prompt_ids: list[int], sampling: Sampling, deadline: float | None = None, *,
+                       client: str = "", priority: int = 0) -> Completion:
         """The whole answer: the same tokens and text as `stream` gives piece by piece."""
         ids, pieces, finish = [], [], "length"
-        async for item in self.stream(prompt_ids, sampling, deadline):
+        async for item in self.stream(prompt_ids, sampling, deadline, client=client, priority=priority):
             if item.token is not None:
                 ids.append(item.token)
             pieces.append(item.text)
@@ -209,8 +162,24 @@ class GenerationEngine(Engine):
             raise BadInput("prompt", f"{len(prompt_ids)} tokens leave no room for a new one in this model's "
                                      f"context of {block}: send at most {block - 1}")
 
+    def _per_s(self) -> float | None:
+        tokens_per_s, per_request = self.rate.per_s, self._tokens_per_request.value
+        return None if tokens_per_s is None or not per_request else tokens_per_s / per_request
+
+    def _free_units(self) -> int:
+        return self.max_batch_size - len(self._running)
+
+    def requests_running(self) -> int:
+        return len(self._running)
+
+    def kv_cache_usage(self) -> float:
+        """The KV cache's slots in use, 0 to 1 (vLLM's kv_cache_usage_perc): a slot holds room for a whole
+        context from the moment its sequence starts, so this is the share of the cache's memory taken."""
+        return len(self._running) / self.max_batch_size
+
     def _run(self) -> None:
         while True:
+            began, made = time.perf_counter(), self.stats.tokens
             self._admit()
             if self._abort:
                 for seq in self._running:
@@ -219,38 +188,67 @@ class GenerationEngine(Engine):
                 return
             if not self._running:
                 with self._cond:
-                    if not self._pending:
+                    if not self._queue:
                         if self._finished():
                             return
                         self._cond.wait()
                 continue
+            full = len(self._running) == self.max_batch_size
             self._step()
+            if full:  # every slot taken, no idle time: tokens per second as the engine can make them
+                self.rate.record(self.stats.tokens - made, time.perf_counter() - began)
 
     def _admit(self) -> None:
-        """Prefill waiting requests into free slots, one prompt at a time (causal, no padding)."""
+        """Prefill waiting requests into free slots, in the fair order. Prompts of one length share a
+        call (causal, no padding): a cohort of new requests costs about one prefill, not one each
+        (16 prompts of 12 tokens: 4 ms in one call against 20 ms one by one on a CPU core)."""
         while len(self._running) < self.max_batch_size:
-            with self._cond:
-                if not self._pending or self._abort:
-                    return
-                request = self._pending.popleft()
-            if request.cancelled:
-                continue
-            if request.expired(time.monotonic()):
-                self._answer(request, error=DeadlineExceeded(
-                    f"waited {time.monotonic() - request.arrived:.3f} s in the queue, past its deadline: "
-                    f"retry, or allow more time"))
-                continue
-            seq, slot = _Sequence(request, self.tokenizer), len(self._running)
-            ids = torch.tensor([request.prompt], device=self.device)  # (1, P)
-            try:
-                logits = self.model.prefill(ids, self.cache, slot).float().cpu()  # (1, V)
-            except Exception as e:  # this prompt failed (out of memory, say): the running ones go on
-                self._answer(request, error=e)
-                continue
-            self._advance(seq, logits[0])
-            self._flush()  # the first token at once: time to first token is one prefill
+            taken = self._take(self.max_batch_size - len(self._running))
+            if not taken:
+                return
+            by_length: dict[int, list[_Generate]] = {}
+            for request in taken:
+                self._note_start(request)
+                by_length.setdefault(len(request.prompt), []).append(request)
+            for group in by_length.values():
+                self._prefill(group)
+
+    def _take(self, free: int) -> list[_Generate]:
+        """Up to `free` waiting requests, in the fair order, each charged to its client as it is taken."""
+        taken = []
+        with self._cond:
+            while len(taken) < free and self._queue and not self._abort:
+                request = self._queue.pop()
+                if self._gone(request, time.monotonic()):
+                    continue
+                self._queue.charge(request.client, PROMPT_WEIGHT * len(request.prompt) + OUTPUT_WEIGHT)
+                taken.append(request)
+        return taken
+
+    def _prefill(self, requests: list[_Generate]) -> None:
+        """Prefill prompts of one length into the next free slots; each gets its first token at once."""
+        slot, seqs = len(self._running), [_Sequence(r, self.tokenizer) for r in requests]
+        ids = torch.tensor([r.prompt for r in requests], device=self.device)  # (B, P)
+        try:
+            logits = self.model.prefill(ids, self.cache, slot).float().cpu()  # (B, V)
+        except Exception as e:  # out of memory, say: one at a time may fit; the running ones go on
+            if len(requests) > 1:
+                for request in requests:
+                    self._prefill([request])
+                return
+            self._answer(requests[0], error=e)
+            return
+        for seq, row in zip(seqs, logits):
+            self._advance(seq, row)
+        self._flush()  # the first tokens at once: time to first token is one prefill
+        for i, seq in enumerate(seqs):
             if seq.finish is None:
+                if slot + i != len(self._running):  # one before it ended at its first token: close the gap
+                    self.cache.move(slot + i, len(self._running), seq.length)
                 self._running.append(seq)
+            elif seq.finish == "cancelled":
+                with self._cond:
+                    self.stats.cancelled += 1
 
     def _step(self) -> None:
         """One new token for every running sequence; the finished ones leave their slots."""
@@ -269,6 +267,10 @@ class GenerationEngine(Engine):
             s.length += 1
             self._advance(s, logits[i])
         self._flush()
+        with self._cond:  # each client's service this step (VTC), and the streams whose caller left
+            for s in running:
+                self._queue.charge(s.request.client, OUTPUT_WEIGHT)
+            self.stats.cancelled += sum(s.finish == "cancelled" for s in running)
         for i in reversed(range(len(running))):
             if running[i].finish is not None or running[i].request.cancelled:
                 self._leave(i)
@@ -289,6 +291,7 @@ class GenerationEngine(Engine):
         items = seq.accept(sample(logits[:self.drawn], seq.sampling, seq.generator), self.cfg.block_size)
         self.stats.tokens += 1
         if seq.finish is not None:
+            self._tokens_per_request.add(len(seq.ids))
             self._answer(seq.request, items)
         else:
             self._outbox.setdefault(seq.request.loop, []).append((seq.request, items))
@@ -305,6 +308,7 @@ class GenerationEngine(Engine):
             self._settle(request, items, None)
 
     def _settle(self, request: _Generate, items, error) -> None:
+        self._disarm(request)
         for item in ([error] if error is not None else items):
             request.queue.put_nowait(item)
 
@@ -312,8 +316,8 @@ class GenerationEngine(Engine):
 class _Stream:
     """The async iterator `GenerationEngine.stream` returns; leaving it early cancels the request."""
 
-    def __init__(self, request: _Generate):
-        self.request, self.done = request, False
+    def __init__(self, request: _Generate, engine: GenerationEngine):
+        self.request, self.engine, self.done = request, engine, False
 
     def __aiter__(self):
         return self
@@ -333,9 +337,11 @@ class _Stream:
         return item
 
     def close(self) -> None:
-        """Stop generating for this request (the worker drops it at its next step)."""
+        """Stop generating for this request: out of the queue now if it waits, else the worker drops
+        it at its next step."""
         if not self.done:
-            self.request.cancelled, self.done = True, True
+            self.done = True
+            self.engine._withdraw(self.request)
 
     async def aclose(self) -> None:
         self.close()

@@ -6,6 +6,9 @@ time (`hmac.compare_digest`), from `Authorization: Bearer KEY` (what OpenAI clie
 `X-API-Key: KEY`. A body is read in full here, up to the limit: one over it is answered 413
 before any route parses a byte of it, so a client cannot make the server hold more than the
 limit per request.
+
+Who sent a request (`client_of`), for the fair share of the engine it is served from: a keyed hash
+of the key it presents, and the tenant its `X-Tenant` header names within that key's share.
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ import json
 import os
 
 from ..errors import UserError
+from .oip import ProtocolError
 
 API_KEY_ENV = "GPUDL_API_KEY"
+TENANT_HEADER = "x-tenant"
+MAX_TENANT = 64  # characters: a tenant's name is kept while its requests wait, so it is bounded
 
 
 def is_loopback(host: str) -> bool:
@@ -44,6 +50,25 @@ def authorized(headers: dict[bytes, bytes], key: str) -> bool:
     if bearer[:7].lower() == b"bearer ":
         given = bearer[7:].strip()
     return hmac.compare_digest(given, key.encode())
+
+
+def client_of(headers, salt: bytes) -> str:
+    """The client a request is served for (`headers`: a request's, read case-insensitively): a
+    keyed hash (HMAC-SHA256 with `salt`) of the key it presents, the same headers `authorized`
+    reads ("anonymous" without one), then "/" and its X-Tenant header where it sends one. The
+    tenant divides the key's share: a gateway holding one key names its users, and clients of a
+    loopback server without a key may name themselves. Never the key itself: the name is kept
+    while the request waits."""
+    bearer = headers.get("authorization", "")
+    key = bearer[7:].strip() if bearer[:7].lower() == "bearer " else headers.get("x-api-key", "")
+    who = hmac.new(salt, key.encode(), "sha256").hexdigest()[:16] if key else "anonymous"
+    tenant = headers.get(TENANT_HEADER)
+    if tenant is None:
+        return who
+    if not 0 < len(tenant) <= MAX_TENANT:
+        raise ProtocolError(400, f"X-Tenant: {len(tenant)} characters; name the tenant in 1 to {MAX_TENANT}",
+                            param="X-Tenant")
+    return f"{who}/{tenant}"
 
 
 class Guard:

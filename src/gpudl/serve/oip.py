@@ -71,6 +71,7 @@ class InferRequest:
     inputs: dict[str, np.ndarray]
     outputs: list[OutputRequest] = field(default_factory=list)
     binary_data_output: bool = False   # request-level `parameters.binary_data_output`
+    priority: int = 0                  # request-level `parameters.priority`: lower is served earlier (as vLLM's)
 
 
 def kind_of(value) -> str:
@@ -110,6 +111,9 @@ def parse_infer_request(body: bytes, header_length: int | None, expected: dict[s
     params = _parameters(request, "request")
     binary_default = _typed(params.get("binary_data_output", False), bool,
                             "parameters.binary_data_output", "a boolean")
+    priority = _typed(params.get("priority", 0), int, "parameters.priority", "an integer")
+    if not -2**31 <= priority < 2**31:
+        raise ProtocolError(400, f"parameters.priority: {priority} is not in [-2**31, 2**31)")
     raw_inputs = _typed(request.get("inputs"), list, "inputs", "a list of input tensors")
     headers = _input_headers(raw_inputs, expected, binary is not None, len(body))
     _check_binary_total(headers, binary)
@@ -121,7 +125,7 @@ def parse_infer_request(body: bytes, header_length: int | None, expected: dict[s
             inputs[spec.name] = _binary_tensor(binary[offset:offset + size], spec.datatype, shape, where)
             offset += size
     outputs = _output_requests(request.get("outputs", []), output_names)
-    return InferRequest(request_id, inputs, outputs, binary_default)
+    return InferRequest(request_id, inputs, outputs, binary_default, priority)
 
 
 def _split(body: bytes, header_length: int | None) -> tuple[bytes, bytes | None]:

@@ -39,6 +39,7 @@ MAX_STOP = 4
 DEFAULT_MAX_TOKENS = 16        # OpenAI's default for /v1/completions
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 SEED_RANGE = (-(2**63), 2**64 - 1)   # what torch.Generator.manual_seed accepts
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 BYTES = ByteTokenizer()               # the tokenizer of a model that kept none
 # Fields whose non-default values would change the answer in ways gpudl does not implement: refused
 # rather than silently ignored. Any other unknown field is ignored, as clients add their own.
@@ -63,6 +64,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False     # stream_options.include_usage: a last chunk with usage
     n: int = 1
+    priority: int = 0               # vLLM's extension: lower is served earlier, within the client's share
     prompt_ids: list[int] = field(default_factory=list, compare=False, repr=False)   # the prompt, encoded
 
 
@@ -201,7 +203,8 @@ def _sampling(request: dict, prompt: str, prompt_ids: list[int], prompt_param: s
         top_p=float(_number(request, "top_p", 1.0, 0, 1, lo_open=True)),
         top_k=top_k if top_k and top_k > 0 else None,   # 0 and -1 (vLLM's "off") mean no top-k
         stop=_stop(request), seed=_number(request, "seed", None, *SEED_RANGE, integer=True),
-        stream=stream, include_usage=_stream_options(request, stream), prompt_ids=prompt_ids)
+        stream=stream, include_usage=_stream_options(request, stream), prompt_ids=prompt_ids,
+        priority=_number(request, "priority", 0, *PRIORITY_RANGE, integer=True))
 
 
 def parse_completion(body: bytes, context_length: int, default_model: str,

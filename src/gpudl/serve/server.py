@@ -17,7 +17,8 @@ from pathlib import Path
 from rich.console import Console
 
 from ..errors import UserError
-from .guard import Guard, api_key_for
+from .guard import Guard, api_key_for, is_loopback
+from .tls import check_tls, uvicorn_server, uvicorn_ssl
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,16 @@ class ServeOptions:
     max_batch_size: int = 32
     max_queue_delay_ms: float = 5.0
     max_queue: int = 256
+    max_wait_s: float = 0.5           # admit a request only if it can start within this (0: up to max_queue wait)
     api_key: str | None = None
     request_timeout_s: float = 60.0
     max_body_bytes: int = 64 * 2**20
     grace_s: float = 30.0
     name: str | None = None           # what clients call the model (default: the preset's name, e.g. gpt-tiny)
     threads: int | None = None        # CPU only: torch's intra-op threads; None: measured at start (threads.py)
+    ssl_certfile: str | None = None   # TLS: the server's certificate (PEM); with ssl_keyfile, https only
+    ssl_keyfile: str | None = None    # TLS: its private key (PEM, unencrypted)
+    ssl_ca_certs: str | None = None   # TLS: clients must present a certificate signed by this CA (PEM)
 
 
 def check(options: ServeOptions) -> str | None:
@@ -43,17 +48,31 @@ def check(options: ServeOptions) -> str | None:
     if not 0 < options.port < 65536:
         raise UserError(f"--port {options.port} is not a TCP port: use 1-65535 (8000 by default)")
     if options.max_batch_size < 1 or options.max_queue_delay_ms < 0 or options.max_queue < 1 \
-            or options.request_timeout_s <= 0 or (options.threads is not None and options.threads < 1):
-        raise UserError("--max-batch-size, --max-queue and --threads must be >= 1, --max-queue-delay-ms >= 0 "
-                        "and --request-timeout-s > 0")
+            or options.request_timeout_s <= 0 or (options.threads is not None and options.threads < 1) \
+            or not options.max_wait_s >= 0:
+        raise UserError("--max-batch-size, --max-queue and --threads must be >= 1, --max-queue-delay-ms and "
+                        "--max-wait-s >= 0 and --request-timeout-s > 0")
     if options.path is not None and not Path(options.path).exists():
         raise UserError(f"{options.path!r} does not exist: give a run folder (runs/...) or a folder that "
                         f"`gpudl export` wrote")
+    check_tls(options.ssl_certfile, options.ssl_keyfile, options.ssl_ca_certs)
     return api_key_for(options.host, options.api_key)
+
+
+def clear_text_note(options: ServeOptions, key: str | None) -> str | None:
+    """One line when a key guards a server that other machines reach without TLS: anyone on the path
+    can read the key (and the prompts) off the wire."""
+    if key is None or options.ssl_certfile or is_loopback(options.host):
+        return None
+    return ("Note: without TLS the API key and every request cross the network in clear text: add "
+            "--ssl-certfile and --ssl-keyfile, or serve behind a TLS proxy")
 
 
 def serve(options: ServeOptions, console: Console) -> int:
     key = check(options)
+    note = clear_text_note(options, key)
+    if note:
+        console.print(note, markup=False, soft_wrap=True)
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -67,8 +86,9 @@ def serve(options: ServeOptions, console: Console) -> int:
     failed: list[str] = []
     app = create_app(served, lifespan=_lifespan(served, options, console, failed))
     config = uvicorn.Config(Guard(app, key, options.max_body_bytes), host=options.host, port=options.port,
-                            log_level="warning", timeout_graceful_shutdown=options.grace_s, lifespan="on")
-    server = uvicorn.Server(config)
+                            log_level="warning", timeout_graceful_shutdown=options.grace_s, lifespan="on",
+                            **uvicorn_ssl(options.ssl_certfile, options.ssl_keyfile, options.ssl_ca_certs))
+    server = uvicorn_server(config)
     served.server = server
     server.run()
     if failed:
@@ -100,24 +120,26 @@ async def _load(served, options: ServeOptions, console: Console, failed: list[st
     loaded.name = options.name or loaded.name  # what clients call it: the preset's name unless --name
     served.name, served.loaded = loaded.name, loaded
     engine = make_engine(loaded, max_batch_size=options.max_batch_size,
-                         max_queue_delay_ms=options.max_queue_delay_ms, max_queue=options.max_queue)
+                         max_queue_delay_ms=options.max_queue_delay_ms, max_queue=options.max_queue,
+                         max_wait_s=options.max_wait_s or None)
     if loaded.kind == "onnx":  # torch's thread count is not onnxruntime's: it sizes its own pool to the cores
         served.threads = "onnxruntime's own threads"
     elif loaded.device.type == "cpu":  # before the engine starts: its KV cache serves the timed call
         served.threads = await asyncio.to_thread(_cpu_threads, loaded, options, getattr(engine, "cache", None))
-    served.metrics = Metrics(engine.queue_depth)
-    engine.observe_batch = served.metrics.batch_size.observe
+    served.metrics = Metrics(served.name, engine)  # sets the engine's hooks: before it starts
     engine.start()
     served.engine = engine
     console.print(_started_line(served, options), markup=False, soft_wrap=True)
 
 
 def _started_line(served, options: ServeOptions) -> str:
-    loaded, address = served.loaded, f"http://{options.host}:{options.port}"
+    scheme = "https" if options.ssl_certfile else "http"
+    loaded, address = served.loaded, f"{scheme}://{options.host}:{options.port}"
     endpoints = [f"/v2/models/{served.name}/infer"]
     if loaded.kind == "gpt":
         endpoints += ["/v1/completions", "/v1/chat/completions"]
     key = " · API key required" if served.key_required else ""
+    key += " · client certificate required" if options.ssl_ca_certs else ""
     threads = f" ({served.threads})" if served.threads else ""
     return (f"Serving {served.name} ({loaded.describe}) on {loaded.device_label}{threads} at {address} · "
             f"{' · '.join(endpoints)} · /v2/health/ready · /metrics{key}")
@@ -142,17 +164,19 @@ def _cpu_threads(loaded, options: ServeOptions, cache=None) -> str:
     return f"{chosen} of {cores} CPU threads, measured"
 
 
-def make_engine(loaded, *, max_batch_size: int = 32, max_queue_delay_ms: float = 5.0, max_queue: int = 256):
+def make_engine(loaded, *, max_batch_size: int = 32, max_queue_delay_ms: float = 5.0, max_queue: int = 256,
+                max_wait_s: float | None = None):
     """The engine for a model from `load.load_model`: dynamic batching for a classifier (and a fit run's
     model.onnx), continuous
-    batching with a KV cache for a GPT. Not started: call `start()`."""
+    batching with a KV cache for a GPT. Not started: call `start()`. `max_wait_s`: admit a request
+    only if it can start within it (`gpudl serve` gives 0.5 s; None: up to `max_queue` wait)."""
     if loaded.kind == "gpt":
         from .generation import GenerationEngine
 
         return GenerationEngine(loaded.model, loaded.device, tokenizer=loaded.tokenizer, max_batch_size=max_batch_size,
-                                max_queue=max_queue)
+                                max_queue=max_queue, max_wait_s=max_wait_s)
     from .batching import BatchingEngine
 
     return BatchingEngine(loaded.model, loaded.device, max_batch_size=max_batch_size,
                           max_queue_delay_ms=max_queue_delay_ms, max_queue=max_queue,
-                          input_shape=loaded.input_shape, input_name=loaded.inputs[0].name)
+                          input_shape=loaded.input_shape, input_name=loaded.inputs[0].name, max_wait_s=max_wait_s)
