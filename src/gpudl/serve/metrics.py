@@ -133,7 +133,8 @@ class _EngineState:
                        labels, engine.kv_cache_usage())
             yield _one(CounterMetricFamily, "generation_tokens", "Number of generation tokens processed.",
                        labels, stats.tokens)
-        yield _one(CounterMetricFamily, "request_refused", "gpudl: requests refused on arrival (the queue was full)",
+        yield _one(CounterMetricFamily, "request_refused",
+                   "gpudl: requests refused on arrival (the queue was full, or they could not start within --max-wait-s)",
                    labels, stats.rejected)
         cancelled = CounterMetricFamily(PREFIX + "request_cancelled", "gpudl: requests dropped unfinished: their "
                                         "caller left (disconnected) or their deadline passed in the queue (deadline)",
