@@ -49,6 +49,17 @@ def gpt_recording_prompts():
     return model, prompts
 
 
+def held_one_slot_engine():
+    """A started one-slot engine over gpt_recording_prompts' GPT whose worker a Gate holds after each step:
+    the engine, the gate and the prompts the model has seen."""
+    model, prompts = gpt_recording_prompts()
+    engine = GenerationEngine(model, CPU, max_batch_size=1)
+    gate = Gate(1)
+    engine.observe_batch = gate
+    engine.start()
+    return engine, gate, prompts
+
+
 class RecordingRows(nn.Module):
     """A classifier stand-in: returns its input's rows, records each call's first values, and holds
     its first call until `go` is set."""
@@ -182,11 +193,7 @@ def test_a_classifier_burst_is_refused_past_one_batch_of_rows_at_a_cold_start():
 # ------------------------------------------------------------------- deadline and departure while queued
 
 def test_a_request_whose_deadline_passes_in_the_queue_leaves_it_before_the_model_is_free():
-    model, prompts = gpt_recording_prompts()
-    engine = GenerationEngine(model, CPU, max_batch_size=1)
-    gate = Gate(1)
-    engine.observe_batch = gate
-    engine.start()
+    engine, gate, prompts = held_one_slot_engine()
 
     async def body():
         running = asyncio.ensure_future(collect(engine.stream(list(b"running"), GREEDY)))
@@ -205,11 +212,7 @@ def test_a_request_whose_deadline_passes_in_the_queue_leaves_it_before_the_model
 
 
 def test_a_caller_that_leaves_takes_its_request_out_of_the_queue():
-    model, prompts = gpt_recording_prompts()
-    engine = GenerationEngine(model, CPU, max_batch_size=1)
-    gate = Gate(1)
-    engine.observe_batch = gate
-    engine.start()
+    engine, gate, prompts = held_one_slot_engine()
 
     async def body():
         running = asyncio.ensure_future(collect(engine.stream(list(b"running"), GREEDY)))
@@ -232,11 +235,7 @@ def test_a_caller_that_leaves_takes_its_request_out_of_the_queue():
 # --------------------------------------------------------------------------------- fairness, priority
 
 def test_a_light_client_gets_every_other_decode_slot_however_many_the_heavy_one_queued():
-    model, prompts = gpt_recording_prompts()
-    engine = GenerationEngine(model, CPU, max_batch_size=1)
-    gate = Gate(1)
-    engine.observe_batch = gate
-    engine.start()
+    engine, gate, prompts = held_one_slot_engine()
     heavy = [b"heavy %02d" % i for i in range(9)]
     light = [b"light %02d" % i for i in range(3)]
 
@@ -280,11 +279,7 @@ def test_a_batch_shares_its_rows_among_the_waiting_clients():
 
 
 def test_priority_orders_a_clients_own_share_and_not_anothers():
-    model, prompts = gpt_recording_prompts()
-    engine = GenerationEngine(model, CPU, max_batch_size=1)
-    gate = Gate(1)
-    engine.observe_batch = gate
-    engine.start()
+    engine, gate, prompts = held_one_slot_engine()
     # (prompt, priority) in arrival order; lower is served earlier. Prompts of one length: requests that cost alike
     mine = [(b"a-late-5", 5), (b"b-first1", -1), (b"c-later5", 5), (b"d-second", 0)]
     other = [(b"x-other0", 0), (b"y-other0", 0)]
