@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,14 @@ def gpudl(*args: str) -> list[str]:
 def train_argv(run_dir: Path, *launch: str) -> list[str]:
     sets = [f"--set={s}" for s in [*RUN, f"run.dir={run_dir.parent}", f"run.name={run_dir.name}"]]
     return gpudl("train", *launch, *sets)
+
+
+def train_alone(run_dir: Path, processes: int, sets: tuple[str, ...] = ()) -> Path:
+    """The run on this machine alone, with `processes` processes: the reference a job over hosts is held to."""
+    argv = train_argv(run_dir, "--nproc-per-node", str(processes)) + [f"--set={s}" for s in sets]
+    done = subprocess.run(argv, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -4,28 +4,18 @@ from the newest checkpoint by itself."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from hosts import Hosts, why_not_here
-from runs import ENV, PORT, losses, newest_checkpoint, train_argv
+from runs import ENV, PORT, losses, newest_checkpoint, train_alone, train_argv
 
 pytestmark = pytest.mark.skipif(why_not_here() is not None, reason=why_not_here() or "")
 
 STEPS = 60
-
-
-def one_host(folder: Path, processes: int) -> Path:
-    run_dir = folder / "run"
-    done = subprocess.run(train_argv(run_dir, "--nproc-per-node", str(processes)) + [f"--set=train.max_steps={STEPS}"],
-                          env={**os.environ, **ENV}, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return run_dir
 
 
 def train_steps(run_dir: Path) -> list[int]:
@@ -73,7 +63,7 @@ def test_an_elastic_job_loses_a_host_and_goes_on_with_the_others(tmp_path):
     assert "Launching 1 process(es) per node x 2:3 node(s)" in out
     assert f"Resuming at step {saved}" in out, out[-3000:]
     assert train_steps(run_dir) == list(range(1, STEPS + 1)) and resumed is not None
-    three = one_host(tmp_path / "one", 3)
+    three = train_alone(tmp_path / "one" / "run", 3, (f"train.max_steps={STEPS}",))
     for step, loss in losses(three).items():
         if step <= saved:  # the steps the three hosts trained (the log is cut back to them on resuming)
             assert abs(losses(run_dir)[step] - loss) <= 1e-6, f"step {step}: {losses(run_dir)[step]} vs {loss}"

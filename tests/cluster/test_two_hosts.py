@@ -3,7 +3,6 @@ trains as one host with two processes does."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from hosts import Host, Hosts, why_not_here
-from runs import ENV, PORT, gpudl, losses, newest_checkpoint, records, train_argv, wait_all
+from runs import ENV, PORT, gpudl, losses, newest_checkpoint, records, train_alone, train_argv, wait_all
 
 pytestmark = pytest.mark.skipif(why_not_here() is not None, reason=why_not_here() or "")
 
@@ -23,11 +22,7 @@ _references: dict[tuple, Path] = {}
 def one_host(tmp_path_factory, processes: int, sets: tuple[str, ...]) -> Path:
     """The reference: the same run on this machine alone with as many processes (once per layout)."""
     if (processes, sets) not in _references:
-        run_dir = tmp_path_factory.mktemp("one") / "run"
-        done = subprocess.run(train_argv(run_dir, "--nproc-per-node", str(processes)) + [f"--set={s}" for s in sets],
-                              env={**os.environ, **ENV}, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        _references[processes, sets] = run_dir
+        _references[processes, sets] = train_alone(tmp_path_factory.mktemp("one") / "run", processes, sets)
     return _references[processes, sets]
 
 
